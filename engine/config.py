@@ -1,0 +1,162 @@
+"""Frozen engine configs, named after vLLM's engine arguments.
+
+"auto" values are resolved once in `EngineConfig.create()` before freezing; nothing
+mutates a config afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class ModelConfig(_Frozen):
+    model: str | None = None
+    """HF folder, a `.gguf` file, or a shape name with `load_format="dummy"`. None: bundled SmolLM2."""
+    tokenizer: str | None = None
+    """Tokenizer folder; defaults to the model's own (or the GGUF metadata)."""
+    dtype: DType = "auto"
+    """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmuls on a CPU are slow and inexact)."""
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    max_model_len: int | None = Field(default=None, gt=0)
+    """Prompt + output tokens per request; defaults to the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed for dummy weights and for requests that give no seed of their own."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype is still 'auto': use EngineConfig.create() to resolve it")
+        return _TORCH_DTYPES[self.dtype]
+
+
+class CacheConfig(_Frozen):
+    block_size: int = Field(default=16, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """Fraction of the GPU's memory this process may use, KV cache included."""
+    num_gpu_blocks: int | None = Field(default=None, gt=1)
+    """Override the profiled number of KV blocks (block 0 is reserved as the null block)."""
+    enable_prefix_caching: bool = True
+    cpu_kv_cache_gib: float = Field(default=1.0, gt=0)
+    """KV cache size when running on a CPU (there is nothing to profile)."""
+
+
+class SchedulerConfig(_Frozen):
+    max_num_seqs: int = Field(default=256, gt=0)
+    max_num_batched_tokens: int = Field(default=8192, gt=0)
+    """Token budget of one step; prompts longer than this are prefilled in chunks."""
+    max_model_len: int = Field(default=2048, gt=0)
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+class ParallelConfig(_Frozen):
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    pipeline_parallel_size: int = Field(default=1, gt=0)
+    distributed_executor_backend: Literal["uni", "ray"] | None = None
+    """None: "uni" (in-process) for one rank, "ray" for more."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class EngineConfig(_Frozen):
+    model_config_: ModelConfig = Field(alias="model_config")
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: Literal["cpu", "cuda"]
+    enforce_eager: bool = False
+    """Turn CUDA graphs off."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.model_config_
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.model.dtype == "auto":
+            raise ValueError("dtype must be resolved before building EngineConfig")
+        return self
+
+    @classmethod
+    def create(cls, hf_config: Any = None, **engine_args: Any) -> EngineConfig:
+        """Build from flat vLLM-style engine arguments, resolving the "auto" values.
+
+        `hf_config` (a transformers config) supplies the checkpoint dtype and context length.
+        Unknown arguments raise ValueError naming them.
+        """
+        fields = {
+            ModelConfig: set(ModelConfig.model_fields),
+            CacheConfig: set(CacheConfig.model_fields),
+            SchedulerConfig: set(SchedulerConfig.model_fields),
+            ParallelConfig: set(ParallelConfig.model_fields),
+        }
+        known = set().union(*fields.values()) | {"device", "enforce_eager"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+
+        device = engine_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        model_args = {k: v for k, v in engine_args.items() if k in fields[ModelConfig]}
+        dtype = model_args.get("dtype", "auto")
+        if dtype == "auto":
+            dtype = _resolve_dtype(hf_config, device)
+        model_args["dtype"] = dtype
+
+        max_len = engine_args.get("max_model_len")
+        model_max = _model_max_len(hf_config)
+        if max_len is None:
+            max_len = model_max
+        elif model_max is not None and max_len > model_max:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings={model_max}"
+            )
+        max_len = max_len or 2048
+        model_args["max_model_len"] = max_len
+
+        sched_args = {k: v for k, v in engine_args.items() if k in fields[SchedulerConfig]}
+        sched_args["max_model_len"] = max_len
+        return cls(
+            model_config=ModelConfig(**model_args),
+            cache_config=CacheConfig(
+                **{k: v for k, v in engine_args.items() if k in fields[CacheConfig]}
+            ),
+            scheduler_config=SchedulerConfig(**sched_args),
+            parallel_config=ParallelConfig(
+                **{k: v for k, v in engine_args.items() if k in fields[ParallelConfig]}
+            ),
+            device=device,
+            enforce_eager=engine_args.get("enforce_eager", False),
+        )
+
+
+def _resolve_dtype(hf_config: Any, device: str) -> str:
+    if device == "cpu":
+        return "float32"
+    name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    if name in ("bfloat16", "float16"):
+        return name
+    return "bfloat16"
+
+
+def _model_max_len(hf_config: Any) -> int | None:
+    if hf_config is None:
+        return None
+    return getattr(hf_config, "max_position_embeddings", None)

@@ -1,0 +1,56 @@
+"""The contract between the scheduler and the workers: the only thing that crosses to them.
+
+New requests are sent in full once; running requests as diffs. A request resumed after
+preemption is sent again as a new request (its blocks were freed, its tokens are recomputed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]
+    """Every known token: prompt, then outputs generated before a preemption (if any)."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (prefix-cache hits)."""
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]
+    """Tokens appended since the workers last saw this request (the last sampled token)."""
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """req_id -> tokens computed this step; dict order is the batch order."""
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished, aborted or preempted since the last step: workers drop their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens for the requests that reached the end of their known tokens this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, object] = field(default_factory=dict)
+    """req_id -> engine.outputs.TokenLogprobs, when the request asked for logprobs."""

@@ -1,0 +1,58 @@
+"""Kernels behind one signature each: Triton on CUDA tensors, torch references elsewhere.
+
+Set KVRAY_TORCH_KERNELS=1 to force the references on a GPU too (the oracle path).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.activation_ref import silu_and_mul_ref
+from kernels.attention_ref import paged_attention_ref, store_kv_ref
+from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary_ref import apply_rotary_ref
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("KVRAY_TORCH_KERNELS", "0") != "1"
+
+
+def store_kv(key, value, kv_cache, slot_mapping) -> None:
+    return store_kv_ref(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(
+    query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
+):
+    return paged_attention_ref(
+        query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
+    )
+
+
+def rms_norm(x, weight, eps):
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def apply_rotary(positions, query, key, cos_sin_cache) -> None:
+    return apply_rotary_ref(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    return silu_and_mul_ref(x)
+
+
+__all__ = [
+    "apply_rotary",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv",
+    "use_triton",
+]
