@@ -24,6 +24,8 @@ class ModelConfig(_Frozen):
     model: str | None = None
     """HF folder, a `.gguf` file, or a shape name with `load_format="dummy"`. None: bundled SmolLM2."""
     tokenizer: str | None = None
+    served_model_name: str | None = None
+    """Name in the API; defaults to the model's folder or file name."""
     """Tokenizer folder; defaults to the model's own (or the GGUF metadata)."""
     dtype: DType = "auto"
     """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmuls on a CPU are slow and inexact)."""

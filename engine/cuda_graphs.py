@@ -1,0 +1,98 @@
+"""CUDA graphs for decode-only steps: one graph per bucketed batch size.
+
+A decode step is a few hundred small kernels; replaying a captured graph removes their
+launch gaps. Graphs read their inputs from static buffers, so a step copies its tensors
+into the first `n` rows, pads the rest of the bucket (slot -1: nothing stored; context 1
+over the null block), replays and reads the first `n` rows of the output.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from engine.forward_context import AttentionMetadata, forward_context
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+class DecodeCudaGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.model = model
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.output = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            max_query_len=1,
+            # Graphs are reused for every context length: kernels size for the longest.
+            max_seq_len=self.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        # Largest first, so smaller graphs reuse the first one's memory pool.
+        for bs in reversed(self.sizes):
+            meta = self._meta(bs)
+            with forward_context(meta):
+                self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up / autotune
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool), forward_context(meta):
+                self.output[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, num_reqs: int, max_query_len: int, block_table_width: int) -> bool:
+        return (
+            max_query_len == 1
+            and num_reqs <= self.sizes[-1]
+            and block_table_width <= self.block_tables.shape[1]
+        )
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        if bs > n:
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(1)
+            self.block_tables[n:bs].zero_()
+        self.graphs[bs].replay()
+        return self.output[:n]

@@ -1,0 +1,151 @@
+"""Parallel state and the only collectives the model uses.
+
+Ranks are laid out with tensor-parallel ranks contiguous, as in vLLM:
+rank = pp_rank * tp_size + tp_rank. Every collective is the identity when its group has one
+rank, so single-device runs never touch torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+
+
+_state = ParallelState()
+
+
+def get_tp_rank() -> int:
+    return _state.tp_rank
+
+
+def get_tp_size() -> int:
+    return _state.tp_size
+
+
+def get_pp_rank() -> int:
+    return _state.pp_rank
+
+
+def get_pp_size() -> int:
+    return _state.pp_size
+
+
+def get_pp_layer_range(num_layers: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers this pipeline stage owns; earlier stages take the remainder."""
+    size, rank = _state.pp_size, _state.pp_rank
+    if num_layers < size:
+        raise ValueError(
+            f"num_hidden_layers={num_layers} is smaller than pipeline_parallel_size={size}"
+        )
+    base, extra = divmod(num_layers, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def divide(numerator: int, denominator: int, what: str, by: str = "tensor_parallel_size") -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by {by}={denominator}")
+    return numerator // denominator
+
+
+def init_distributed(
+    tp_size: int,
+    pp_size: int,
+    rank: int,
+    backend: str | None = None,
+    init_method: str = "env://",
+) -> None:
+    """Join the world of tp_size * pp_size ranks and build the TP and PP groups.
+
+    backend None picks NCCL when CUDA is available, gloo otherwise.
+    """
+    global _state
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError(f"tp_size and pp_size must be >= 1, got {tp_size} and {pp_size}")
+    world_size = tp_size * pp_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank)
+    tp_group = pp_group = None
+    if world_size > 1:
+        # new_group is collective: every rank creates every group, keeping its own.
+        for pp in range(pp_size):
+            group = dist.new_group([pp * tp_size + t for t in range(tp_size)])
+            if pp == rank // tp_size:
+                tp_group = group
+        for tp in range(tp_size):
+            group = dist.new_group([p * tp_size + tp for p in range(pp_size)])
+            if tp == rank % tp_size:
+                pp_group = group
+    _state = ParallelState(
+        tp_rank=rank % tp_size,
+        tp_size=tp_size,
+        pp_rank=rank // tp_size,
+        pp_size=pp_size,
+        tp_group=tp_group,
+        pp_group=pp_group,
+    )
+
+
+def destroy_distributed() -> None:
+    global _state
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = ParallelState()
+
+
+@contextmanager
+def override_parallel_state(
+    tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1
+) -> Iterator[None]:
+    """Pretend to be one rank of a larger world without process groups.
+
+    For building a rank's shard of a model in tests and tools; collectives across more than
+    one rank fail inside it.
+    """
+    global _state
+    saved = _state
+    _state = ParallelState(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    try:
+        yield
+    finally:
+        _state = saved
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _state.tp_size == 1:
+        return x
+    dist.all_reduce(x, group=_tp_group())
+    return x
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    if _state.tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=_tp_group())
+    return torch.cat(parts, dim=dim)
+
+
+def _tp_group() -> dist.ProcessGroup:
+    if _state.tp_group is None:
+        raise RuntimeError(
+            f"tensor_parallel_size={_state.tp_size} but no process group: call init_distributed()"
+        )
+    return _state.tp_group

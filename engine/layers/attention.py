@@ -1,0 +1,110 @@
+"""Paged attention layer: stores this step's keys/values, then attends over the cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.forward_context import AttentionMetadata, get_attention_metadata
+
+
+class Attention(nn.Module):
+    """Head counts are this rank's. `kv_cache` [2, num_blocks, block_size, num_kv_heads,
+    head_dim] is bound by the model runner after it allocates the cache."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        self.sliding_window = sliding_window
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq*D], k and v [T, Hkv*D] (or already split into heads) -> [T, Hq*D]."""
+        meta = get_attention_metadata()
+        if self.sliding_window is not None and meta.max_seq_len > self.sliding_window:
+            raise ValueError(
+                f"a sequence of {meta.max_seq_len} tokens exceeds sliding_window="
+                f"{self.sliding_window}, which this attention does not implement; "
+                f"use max_model_len <= {self.sliding_window}"
+            )
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.kv_cache is None:
+            out = _attend_new_tokens(q, k, v, meta, self.scale)
+        else:
+            kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping)
+            out = kernels.paged_attention(
+                q,
+                self.kv_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                self.scale,
+                meta.max_query_len,
+                meta.max_seq_len,
+            )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+
+def _attend_new_tokens(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention within each request's new tokens, for forwards without a cache
+    (memory profiling); every request must start at position 0."""
+    starts = meta.query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    if q_lens != meta.seq_lens.tolist():
+        raise RuntimeError("attention without a bound KV cache can only run whole prompts")
+    out = torch.empty_like(q)
+    for a, b in zip(starts, starts[1:]):
+        if a == b:
+            continue
+        qi, ki, vi = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        out[a:b] = F.scaled_dot_product_attention(
+            qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    return out
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """This rank's Attention modules in layer order."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor | None]) -> None:
+    """Give layer i the cache kv_caches[i]; None unbinds it."""
+    layers = attention_layers(model)
+    if len(kv_caches) != len(layers):
+        raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} attention layers")
+    for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+        if cache is not None and (
+            cache.dim() != 5
+            or cache.shape[0] != 2
+            or tuple(cache.shape[3:]) != (layer.num_kv_heads, layer.head_dim)
+        ):
+            raise ValueError(
+                f"KV cache {i} has shape {tuple(cache.shape)}; expected "
+                f"[2, num_blocks, block_size, {layer.num_kv_heads}, {layer.head_dim}]"
+            )
+        layer.kv_cache = cache

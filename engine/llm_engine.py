@@ -1,0 +1,349 @@
+"""LLMEngine: requests in, one scheduled step at a time, outputs out. LLM: the offline API."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
+from engine.config import EngineConfig
+from engine.executor import Executor, get_executor_class
+from engine.loader import ModelSource, load_hf_config, resolve_model_source
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples: a scheduler Request plus its text state."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    num_seen_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.is_finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        source: ModelSource,
+        tokenizer: Any | None,
+        executor_class: type[Executor] | None = None,
+    ):
+        self.config = config
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
+        self.model_name = config.model.served_model_name or _default_model_name(source)
+        executor_class = executor_class or get_executor_class(config)
+        self.executor = executor_class(config, hf_config, source)
+        self.num_gpu_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(self.num_gpu_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.num_gpu_blocks
+        )
+        eos = getattr(hf_config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        self.vocab_size: int = hf_config.vocab_size
+        self._parents: dict[str, _ParentRequest] = {}
+        self._sample_parent: dict[str, str] = {}
+
+    @classmethod
+    def from_engine_args(
+        cls, model: str | None = None, tokenizer: str | None = None, **engine_args: Any
+    ) -> LLMEngine:
+        source = resolve_model_source(model, engine_args.get("load_format", "auto"))
+        hf_config = load_hf_config(source)
+        config = EngineConfig.create(
+            hf_config=hf_config, model=str(source.path), tokenizer=tokenizer, **engine_args
+        )
+        tok = _load_tokenizer_for(source, tokenizer)
+        return cls(config, hf_config, source, tok)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; ValueError for input the engine cannot serve."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_text, prompt_ids = prompt, self.encode(prompt)
+        else:
+            prompt_text, prompt_ids = None, list(prompt)
+        self._check_prompt(prompt_ids)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        parent = _ParentRequest(request_id, prompt_text, prompt_ids)
+        children = []
+        for i in range(sampling_params.n):
+            params = sampling_params
+            sample_id = request_id
+            if sampling_params.n > 1:
+                sample_id = f"{request_id}#{i}"
+                params = dataclasses.replace(
+                    sampling_params,
+                    n=1,
+                    seed=None if sampling_params.seed is None else sampling_params.seed + i,
+                )
+            request = Request(
+                request_id=sample_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                eos_token_id=self.eos_token_id,
+                arrival_time=arrival_time,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+            self.scheduler.check_request(request)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
+                )
+            logprobs = [] if params.logprobs is not None else None
+            children.append(_Sample(request, i, detok, logprobs=logprobs))
+        for child in children:
+            parent.samples.append(child)
+            self._sample_parent[child.request.request_id] = request_id
+            self.scheduler.add_request(child.request)
+        self._parents[request_id] = parent
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        max_len = self.config.scheduler_config.max_model_len
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} "
+                f"(prompt plus at least one generated token must fit)"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+
+    def abort_request(self, request_ids: Sequence[str]) -> None:
+        sample_ids = []
+        for rid in request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for s in parent.samples:
+                sample_ids.append(s.request.request_id)
+                self._sample_parent.pop(s.request.request_id, None)
+        if sample_ids:
+            self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        touched: dict[str, _ParentRequest] = {}
+        for request in updated:
+            parent_id = self._sample_parent.get(request.request_id)
+            if parent_id is None:
+                continue
+            parent = self._parents[parent_id]
+            sample = parent.samples[_sample_index(request.request_id, parent)]
+            self._process_sample(sample, runner_output.logprobs.get(request.request_id))
+            touched[parent_id] = parent
+        outputs = []
+        for parent_id, parent in touched.items():
+            outputs.append(self._make_output(parent))
+            if parent.finished:
+                del self._parents[parent_id]
+                for s in parent.samples:
+                    self._sample_parent.pop(s.request.request_id, None)
+        return outputs
+
+    def _process_sample(self, sample: _Sample, logprobs: TokenLogprobs | None) -> None:
+        request = sample.request
+        new_ids = request.output_token_ids[sample.num_seen_tokens :]
+        sample.num_seen_tokens = len(request.output_token_ids)
+        if logprobs is not None and sample.logprobs is not None:
+            sample.logprobs.append(logprobs)
+        if sample.detokenizer is None:
+            return
+        stop_str = sample.detokenizer.update(new_ids)
+        if stop_str is not None and not request.status.is_finished:
+            sample.stop_reason = stop_str
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        if request.status.is_finished:
+            sample.detokenizer.finish()
+
+    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
+        completions = []
+        for s in parent.samples:
+            request = s.request
+            finish_reason = request.status.finish_reason if request.status.is_finished else None
+            stop_reason = s.stop_reason if s.stop_reason is not None else request.stop_reason
+            completions.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.detokenizer.output_text if s.detokenizer else "",
+                    token_ids=list(request.output_token_ids),
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=min(s.request.num_cached_tokens for s in parent.samples),
+        )
+
+    def stats(self) -> dict[str, float]:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _sample_index(sample_id: str, parent: _ParentRequest) -> int:
+    if len(parent.samples) == 1:
+        return 0
+    return int(sample_id.rsplit("#", 1)[1])
+
+
+def _default_model_name(source: ModelSource) -> str:
+    if source.kind == "gguf" and Path(source.path) == bundled_model_path():
+        return BUNDLED_MODEL_NAME
+    if source.kind == "dummy":
+        return str(source.path)
+    return Path(source.path).name.removesuffix(".gguf")
+
+
+def _load_tokenizer_for(source: ModelSource, tokenizer: str | None) -> Any | None:
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if source.kind == "gguf":
+        path = Path(source.path)
+        return load_tokenizer(path.parent, gguf_file=path.name)
+    folder = Path(source.path)
+    if folder.is_dir() and any((folder / f).exists() for f in _TOKENIZER_FILES):
+        return load_tokenizer(folder)
+    # No tokenizer (e.g. dummy shapes): prompts must be token ids, outputs have no text.
+    return None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Offline batch generation.
+
+    `LLM()` serves the bundled SmolLM2; `LLM(model="path/to/folder-or.gguf", **engine_args)`
+    takes vLLM-named engine arguments (max_model_len, max_num_seqs, dtype, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.engine = LLMEngine.from_engine_args(model=model, **engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [apply_chat_template(self.engine.tokenizer, conv) for conv in conversations]
+        return self.generate(prompts, sampling_params)

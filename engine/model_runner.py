@@ -1,0 +1,284 @@
+"""Turns one scheduled step into flat tensors, runs the model and samples.
+
+The runner keeps a copy of every scheduled request's tokens and block table; the
+scheduler sends new requests in full and running ones as diffs (engine/scheduler_output.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeCudaGraphs
+from engine.forward_context import AttentionMetadata, forward_context
+from engine.layers.attention import attention_layers, bind_kv_caches
+from engine.loader import ModelSource, load_model
+from engine.sampler import build_sampling_batch, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    """Row of the hidden states whose logits are sampled, one per sampling request."""
+    sampling_req_ids: list[str] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, device: torch.device):
+        self.config = config
+        self.hf_config = hf_config
+        self.device = device
+        self.dtype = config.model.torch_dtype
+        self.block_size = config.cache_config.block_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        eos = getattr(hf_config, "eos_token_id", None)
+        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def load_model(self, source: ModelSource) -> None:
+        self.model = load_model(
+            source,
+            self.hf_config,
+            self.dtype,
+            self.device,
+            seed=self.config.model.seed,
+            max_model_len=self.config.scheduler_config.max_model_len,
+        )
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block across all of this rank's layers."""
+        layers = attention_layers(self.model)
+        first = layers[0]
+        per_layer = 2 * self.block_size * first.num_kv_heads * first.head_dim
+        return per_layer * len(layers) * torch.tensor([], dtype=self.dtype).element_size()
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        if self.device.type == "cpu":
+            return max(2, int(cache.cpu_kv_cache_gib * (1 << 30)) // self.kv_block_bytes())
+        return self._profile_num_gpu_blocks()
+
+    def _profile_num_gpu_blocks(self) -> int:
+        """Run a forward at the full token budget, then give what is left of the budget to KV."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free_before, total = torch.cuda.mem_get_info(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        used_by_others = total - free_before - torch.cuda.memory_allocated(self.device)
+        budget = total * self.config.cache_config.gpu_memory_utilization
+        available = budget - peak - max(used_by_others, 0)
+        num_blocks = int(available // self.kv_block_bytes())
+        if num_blocks < 2:
+            raise ValueError(
+                f"no memory left for the KV cache: the model and a {self.config.scheduler_config.max_num_batched_tokens}"
+                f"-token forward take {peak / 2**30:.1f} GiB of the "
+                f"{budget / 2**30:.1f} GiB allowed by gpu_memory_utilization"
+            )
+        return num_blocks
+
+    def _profile_run(self) -> None:
+        """A forward over a full token budget of whole prompts (attention without a cache)."""
+        num_tokens = self.config.scheduler_config.max_num_batched_tokens
+        seq_len = min(num_tokens, self.config.scheduler_config.max_model_len - 1)
+        lens = [seq_len] * (num_tokens // seq_len)
+        if num_tokens % seq_len:
+            lens.append(num_tokens % seq_len)
+        starts = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=starts.to(self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+        )
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), forward_context(meta):
+            hidden = self.model(input_ids, positions)
+            self.model.compute_logits(hidden[starts[1:].long().to(self.device) - 1])
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = [
+            torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                layer.num_kv_heads,
+                layer.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for layer in attention_layers(self.model)
+        ]
+        bind_kv_caches(self.model, self.kv_caches)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            sched = self.config.scheduler_config
+            self.cuda_graphs = DecodeCudaGraphs(
+                self.model,
+                max_num_seqs=sched.max_num_seqs,
+                max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
+                max_model_len=sched.max_model_len,
+                hidden_size=self.hf_config.hidden_size,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            self.cuda_graphs.capture()
+
+    # -- one step -------------------------------------------------------------------------
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare_inputs(self, out: SchedulerOutput) -> BatchInputs:
+        bs = self.block_size
+        num_reqs = len(out.num_scheduled_tokens)
+        num_tokens = out.total_num_scheduled_tokens
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        seq_lens = np.empty(num_reqs, dtype=np.int32)
+        states = [self.requests[r] for r in out.num_scheduled_tokens]
+        width = max(len(s.block_ids) for s in states)
+        block_tables = np.zeros((num_reqs, width), dtype=np.int32)
+        logits_indices: list[int] = []
+        sampling_req_ids: list[str] = []
+        offset = 0
+        for i, (state, n) in enumerate(zip(states, out.num_scheduled_tokens.values())):
+            start = state.num_computed_tokens
+            end = start + n
+            blocks = state.block_ids
+            block_tables[i, : len(blocks)] = blocks
+            if n == 1:
+                input_ids[offset] = state.token_ids[start]
+                positions[offset] = start
+                slots[offset] = blocks[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, end)
+                input_ids[offset : offset + n] = state.token_ids[start:end]
+                positions[offset : offset + n] = pos
+                slots[offset : offset + n] = block_tables[i, pos // bs] * bs + pos % bs
+            offset += n
+            query_start_loc[i + 1] = offset
+            seq_lens[i] = end
+            if end == len(state.token_ids):
+                logits_indices.append(offset - 1)
+                sampling_req_ids.append(state.req_id)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=_to_device(slots, dev),
+            query_start_loc=_to_device(query_start_loc, dev),
+            seq_lens=_to_device(seq_lens, dev),
+            block_tables=_to_device(block_tables, dev),
+            max_query_len=max(out.num_scheduled_tokens.values()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return BatchInputs(
+            input_ids=_to_device(input_ids, dev),
+            positions=_to_device(positions, dev),
+            attn_metadata=meta,
+            logits_indices=_to_device(np.array(logits_indices, dtype=np.int64), dev),
+            sampling_req_ids=sampling_req_ids,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput()
+        batch = self.prepare_inputs(out)
+        meta = batch.attn_metadata
+        graphs = self.cuda_graphs
+        if graphs and graphs.can_run(
+            len(out.num_scheduled_tokens), meta.max_query_len, meta.block_tables.shape[1]
+        ):
+            hidden = graphs.run(batch.input_ids, batch.positions, meta)
+        else:
+            with forward_context(meta):
+                hidden = self.model(batch.input_ids, batch.positions)
+        if not batch.sampling_req_ids:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        states = [self.requests[r] for r in batch.sampling_req_ids]
+        sampling_batch = build_sampling_batch(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=[s.generator for s in states],
+            eos_token_id=self.eos_token_id,
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        result = sample(logits, sampling_batch)
+        token_ids = result.token_ids
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        output = ModelRunnerOutput(sampled_token_ids=dict(zip(batch.sampling_req_ids, token_ids)))
+        for req_id, lp in zip(batch.sampling_req_ids, result.logprobs):
+            if lp is not None:
+                output.logprobs[req_id] = lp
+        return output
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

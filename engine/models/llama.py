@@ -1,0 +1,282 @@
+"""Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 differ only in a few switches.
+
+Written in total sizes; the parallel layers keep this rank's shard. With pipeline parallel a
+stage builds only its own decoder layers (others stay `None` so checkpoint indices hold),
+the embedding on the first stage and the final norm and head on the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.distributed import get_pp_layer_range, get_pp_rank, get_pp_size
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, get_rope
+
+IntermediateTensors = dict[str, torch.Tensor]
+"""What a pipeline stage hands the next: {"hidden_states", "residual"}."""
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, name="intermediate_size"
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, arch: type[LlamaForCausalLM]):
+        super().__init__()
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = head_dim_of(config)
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, num_heads, num_kv_heads, bias=arch.qkv_bias or bias
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim,
+            config.hidden_size,
+            bias=bias and arch.o_proj_bias,
+            name="num_attention_heads * head_dim",
+        )
+        self.head_dim = head_dim
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb  # one table shared by every layer
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            head_dim,
+            head_dim**-0.5,
+            self.qkv_proj.num_kv_heads,
+            sliding_window=arch.sliding_window_of(config),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, -1, self.head_dim)
+        k = k.reshape(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, arch: type[LlamaForCausalLM]):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb, arch)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, arch: type[LlamaForCausalLM]):
+        super().__init__()
+        self.is_first_stage = get_pp_rank() == 0
+        self.is_last_stage = get_pp_rank() == get_pp_size() - 1
+        self.start_layer, self.end_layer = get_pp_layer_range(config.num_hidden_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            if self.is_first_stage
+            else None
+        )
+        self.rotary_emb = get_rope(config, head_dim_of(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, arch)
+            if self.start_layer <= i < self.end_layer
+            else None
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden_states, "residual": residual}
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """model(input_ids [T], positions [T]) -> hidden [T, H], reading attention metadata from
+    engine.forward_context; compute_logits(hidden [N, H]) -> [N, vocab] float32."""
+
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    stacked_params_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    """Checkpoint module -> (packed module, shard_id passed to its weight_loader)."""
+    qkv_bias = False
+    """Bias on q/k/v even when the config says no attention_bias (Qwen2)."""
+    o_proj_bias = True
+    """Whether config.attention_bias also puts a bias on o_proj (Llama) or not (Qwen2)."""
+    qk_norm = False
+    """Per-head RMSNorm on q and k before rope (Qwen3)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, type(self))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.sliding_window = type(self).sliding_window_of(config)
+        self.lm_head = None
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tie_word_embeddings and self.model.is_first_stage:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def sliding_window_of(cls, config: Any) -> int | None:
+        """The attention window of the model's layers; None when attention is global."""
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError("compute_logits runs on the last pipeline stage only")
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of the parameters that were loaded.
+
+        Tensors of layers on other pipeline stages are skipped; an unknown name or a wrong
+        shape raises ValueError naming the tensor.
+        """
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            for param_name, shard_id in self._targets(name):
+                param = params.get(param_name)
+                if param is None:
+                    raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, tensor, shard_id)
+                except ValueError as e:
+                    raise ValueError(f"weight {name!r}: {e}") from None
+                shards_seen.setdefault(param_name, set()).add(shard_id)
+        return {name for name, seen in shards_seen.items() if len(seen) == self._num_shards(name)}
+
+    def _num_shards(self, param_name: str) -> int:
+        module = param_name.split(".")[-2] if "." in param_name else ""
+        return len(self.packed_modules_mapping.get(module, [None]))
+
+    def _targets(self, name: str) -> list[tuple[str, Any]]:
+        """The (parameter, shard_id) pairs a checkpoint tensor feeds; [] to skip it here."""
+        tied, model = self.tie_word_embeddings, self.model
+        if name == "lm_head.weight":
+            return [] if tied or self.lm_head is None else [(name, None)]
+        if name == "model.embed_tokens.weight":
+            targets = [(name, None)] if model.is_first_stage else []
+            if tied and self.lm_head is not None and not model.is_first_stage:
+                targets.append(("lm_head.weight", None))  # a last stage's own copy of the tie
+            return targets
+        if name.startswith("model.norm.") and model.norm is None:
+            return []
+        parts = name.split(".")
+        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            if not model.start_layer <= int(parts[2]) < model.end_layer:
+                return []
+        if len(parts) >= 2 and parts[-2] in self.stacked_params_mapping:
+            packed, shard_id = self.stacked_params_mapping[parts[-2]]
+            return [(".".join([*parts[:-2], packed, parts[-1]]), shard_id)]
+        return [(name, None)]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def sliding_window_of(cls, config: Any) -> int | None:
+        return getattr(config, "sliding_window", None)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+    o_proj_bias = False
+
+    @classmethod
+    def sliding_window_of(cls, config: Any) -> int | None:
+        if not getattr(config, "use_sliding_window", False):
+            return None
+        return getattr(config, "sliding_window", None)
+
+
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    qkv_bias = False
+    o_proj_bias = True
+    qk_norm = True
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

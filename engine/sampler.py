@@ -1,0 +1,296 @@
+"""Turns one step's logits into tokens: penalties, greedy / temperature / top-k / top-p / min-p
+sampling with per-request seeds, and logprobs.
+
+The model runner builds a `SamplingBatch` once per step (host lists -> device tensors) and
+calls `sample()`. Every row is processed by one batched kernel chain; only the random draws
+of seeded rows loop, each on its request's own generator. The one host sync is the final
+copy of the sampled ids (and logprobs) back to Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state for one step. Tensors that no row needs are None."""
+
+    vocab_size: int
+    all_greedy: bool
+    greedy: torch.Tensor | None = None
+    """[B] bool; None when no row, or every row, is greedy."""
+    temperature: torch.Tensor | None = None
+    """[B, 1]; greedy rows hold 1.0 (their random draw is discarded). None when all greedy."""
+    top_k: torch.Tensor | None = None
+    """[B] int64; vocab_size where top-k is off."""
+    top_p: torch.Tensor | None = None
+    """[B]; 1.0 where top-p is off."""
+    min_p: torch.Tensor | None = None
+    """[B]; 0.0 where min-p is off."""
+    repetition_penalty: torch.Tensor | None = None
+    """[B, 1]."""
+    frequency_penalty: torch.Tensor | None = None
+    """[B, 1]."""
+    presence_penalty: torch.Tensor | None = None
+    """[B, 1]."""
+    output_token_counts: torch.Tensor | None = None
+    """[B, V] how often each token occurs in the row's output so far."""
+    prompt_token_mask: torch.Tensor | None = None
+    """[B, V] bool, tokens in the prompt (only the repetition penalty reads it)."""
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids) blocked because the row is still below min_tokens."""
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    """Row -> the request's own generator, for seeded random rows."""
+    num_logprobs: list[int | None] = field(default_factory=list)
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def build_sampling_batch(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+    eos_token_id: int | None,
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingBatch:
+    device = torch.device(device)
+    num_rows = len(params)
+    if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
+        raise ValueError(
+            "params, prompt_token_ids, output_token_ids and generators differ in length"
+        )
+    greedy = [p.is_greedy for p in params]
+    batch = SamplingBatch(vocab_size=vocab_size, all_greedy=all(greedy))
+    batch.num_logprobs = [p.logprobs for p in params]
+    requested = [n for n in batch.num_logprobs if n is not None]
+    batch.max_num_logprobs = max(requested) if requested else None
+
+    if not batch.all_greedy:
+        random_params = [p for p, g in zip(params, greedy, strict=True) if not g]
+        if any(greedy):
+            batch.greedy = _tensor(greedy, torch.bool, device)
+        batch.temperature = _tensor(
+            [[1.0 if g else p.temperature] for p, g in zip(params, greedy, strict=True)],
+            torch.float32,
+            device,
+        )
+        if any(p.top_k > 0 for p in random_params):
+            top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+            batch.top_k = _tensor([min(k, vocab_size) for k in top_k], torch.int64, device)
+        if any(p.top_p < 1.0 for p in random_params):
+            batch.top_p = _tensor([p.top_p for p in params], torch.float32, device)
+        if any(p.min_p > 0.0 for p in random_params):
+            batch.min_p = _tensor([p.min_p for p in params], torch.float32, device)
+        batch.generators = {
+            i: gen
+            for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
+            if gen is not None and not g
+        }
+
+    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    use_frequency = any(p.frequency_penalty != 0.0 for p in params)
+    use_presence = any(p.presence_penalty != 0.0 for p in params)
+    if use_repetition or use_frequency or use_presence:
+        counts = _token_histogram(output_token_ids, vocab_size, device)
+        batch.output_token_counts = counts
+        if use_repetition:
+            batch.repetition_penalty = _column([p.repetition_penalty for p in params], device)
+            batch.prompt_token_mask = _token_histogram(prompt_token_ids, vocab_size, device) > 0
+        if use_frequency:
+            batch.frequency_penalty = _column([p.frequency_penalty for p in params], device)
+        if use_presence:
+            batch.presence_penalty = _column([p.presence_penalty for p in params], device)
+
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(out) >= p.min_tokens:
+            continue
+        blocked = list(p.stop_token_ids)
+        # With ignore_eos, EOS does not end the request, so there is nothing to hold back.
+        if eos_token_id is not None and not p.ignore_eos:
+            blocked.append(eos_token_id)
+        for t in blocked:
+            if t < vocab_size:
+                rows.append(i)
+                cols.append(t)
+    if rows:
+        batch.min_tokens_mask = (
+            _tensor(rows, torch.int64, device),
+            _tensor(cols, torch.int64, device),
+        )
+    return batch
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
+    """Sample one token per row of `logits` [B, V'] (V' >= vocab_size; padding is dropped)."""
+    # A private float32 copy: everything below works in place, the caller's logits stay intact.
+    logits = logits[:, : batch.vocab_size].to(torch.float32, copy=True)
+    raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
+
+    if batch.min_tokens_mask is not None:
+        logits[batch.min_tokens_mask] = float("-inf")
+    if batch.output_token_counts is not None:
+        logits = apply_penalties(
+            logits,
+            batch.output_token_counts,
+            batch.prompt_token_mask,
+            batch.repetition_penalty,
+            batch.frequency_penalty,
+            batch.presence_penalty,
+        )
+
+    if batch.all_greedy:
+        sampled = logits.argmax(dim=-1)
+    else:
+        greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+        logits.div_(batch.temperature)
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        if batch.min_p is not None:
+            logits = apply_min_p(logits, batch.min_p)
+        sampled = random_sample(logits.softmax(dim=-1), batch.generators)
+        if greedy_ids is not None:
+            sampled = torch.where(batch.greedy, greedy_ids, sampled)
+
+    token_ids = sampled.tolist()
+    return SamplerResult(token_ids, _gather_logprobs(raw_logprobs, sampled, token_ids, batch))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_token_counts: torch.Tensor,
+    prompt_token_mask: torch.Tensor | None,
+    repetition_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens (CTRL: divide positive logits, multiply
+    negative ones); frequency and presence penalties over output tokens only (OpenAI)."""
+    output_mask = output_token_counts > 0
+    if repetition_penalty is not None:
+        seen = output_mask if prompt_token_mask is None else output_mask | prompt_token_mask
+        scale = torch.where(seen, repetition_penalty, 1.0)
+        logits = torch.where(logits > 0, logits / scale, logits * scale)
+    if frequency_penalty is not None:
+        logits -= frequency_penalty * output_token_counts
+    if presence_penalty is not None:
+        logits -= presence_penalty * output_mask
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask to -inf what falls outside each row's top-k, then outside its top-p nucleus.
+
+    top_k: [B] int64, vocab_size = off. Ties with the k-th logit are kept.
+    top_p: [B], 1.0 = off. The nucleus is the smallest set of most likely tokens (after top-k)
+    whose probability reaches p; the most likely token is always kept.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rounding can push the cumulative sum past 1.0, so rows with p == 1 are exempt.
+        outside = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p * (the row's top probability).
+
+    Compared in log space: p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p).
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row from `probs` [B, V] with the exponential race:
+    argmax(p_i / E_i), E_i ~ Exp(1), picks token i with probability p_i.
+
+    Seeded rows draw their E from their own generator, so their tokens depend only on their
+    seed and their own logits, never on the rest of the batch.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    # An exact 0 draw would turn a masked token's 0 / 0 into NaN, which argmax prefers.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor | None,
+    sampled: torch.Tensor,
+    token_ids: list[int],
+    batch: SamplingBatch,
+) -> list[TokenLogprobs | None]:
+    if logprobs is None:
+        return [None] * len(batch.num_logprobs)
+    sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
+    sampled_list = sampled_logprobs.squeeze(1).tolist()
+    ranks_list = ranks.tolist()
+    top_lp_list = top_logprobs.tolist()
+    top_ids_list = top_ids.tolist()
+    out: list[TokenLogprobs | None] = []
+    for i, n in enumerate(batch.num_logprobs):
+        if n is None:
+            out.append(None)
+            continue
+        top = dict(zip(top_ids_list[i][:n], top_lp_list[i][:n], strict=True))
+        out.append(TokenLogprobs(token_ids[i], sampled_list[i], ranks_list[i], top))
+    return out
+
+
+def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return _tensor([[v] for v in values], torch.float32, device)
+
+
+def _token_histogram(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[B, V] float32 count of each token id per row."""
+    lengths = [len(ids) for ids in token_ids]
+    # numpy reads a flat iterator of Python ints several times faster than torch.tensor
+    # reads nested lists, which matters for long prompts under a repetition penalty.
+    flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, count=sum(lengths))
+    flat += np.repeat(np.arange(len(token_ids), dtype=np.int64) * vocab_size, lengths)
+    index = torch.from_numpy(flat)
+    if device.type != "cpu":
+        index = index.pin_memory().to(device, non_blocking=True)
+    counts = torch.zeros(len(token_ids) * vocab_size, dtype=torch.float32, device=device)
+    counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+    return counts.view(len(token_ids), vocab_size)

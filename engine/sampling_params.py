@@ -1,0 +1,156 @@
+"""Per-request sampling settings, named and defaulted as vLLM's `SamplingParams`.
+
+Validated once at construction, so everything downstream (scheduler, sampler, workers)
+can trust the values. Bad input raises ValueError naming the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+"""Temperatures below this are treated as greedy (dividing by them overflows the logits)."""
+
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    """Number of output sequences to return for the prompt."""
+    temperature: float = 1.0
+    """0 (or below 1e-5) means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 turn top-k off (stored as 0)."""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    """None: generate until the model's max_model_len."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are blocked until this many tokens have been generated."""
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Top-N logprobs to return for each generated token (0: only the sampled token's)."""
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n, lo=1)
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature:g}")
+        self.top_p = _float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p:g}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value:g}")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+        if self.seed is not None:
+            # The range torch.Generator.manual_seed accepts.
+            self.seed = _int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens, lo=1)
+        self.min_tokens = _int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+
+def _int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    # bool is an int subclass; `max_tokens=True` is a caller bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    return value
+
+
+def _float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list | tuple):
+        raise ValueError(f"stop must be a str or a list of str, got {type(stop).__name__}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+    return list(stop)
+
+
+def _token_ids(name: str, ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, list | tuple):
+        raise ValueError(f"{name} must be a list of int, got {type(ids).__name__}")
+    return [_int(name, i, lo=0) for i in ids]

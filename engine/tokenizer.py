@@ -1,0 +1,183 @@
+"""HF tokenizer loading (local only), chat templates, and incremental detokenization.
+
+`IncrementalDetokenizer` turns a stream of token ids into text deltas that never split a
+UTF-8 character and never show the beginning of a stop string that may still complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def load_tokenizer(source: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from an HF folder, or from a GGUF file's metadata, never from a hub.
+
+    `source` may be the folder (with `gguf_file` naming the file in it) or the .gguf path itself.
+    """
+    path = Path(source).expanduser()
+    if gguf_file is None and path.suffix == ".gguf":
+        path, gguf_file = path.parent, path.name
+    target = path / gguf_file if gguf_file is not None else path
+    if not target.exists():
+        raise FileNotFoundError(f"tokenizer source not found: {target}")
+    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template."""
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(
+                f"messages[{i}].content must be a str, got {type(message.get('content')).__name__}"
+            )
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template; send a plain prompt instead")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Decodes one request's output tokens as they arrive.
+
+    Text is decoded from the output tokens alone (not the prompt), so the final text equals
+    `tokenizer.decode(output_ids, skip_special_tokens=...)` without the tokenizer's optional
+    space clean-up (" ." -> "."), which is not stable under appending and would make deltas
+    disagree with the full text. Each update decodes a short window:
+
+        ids:   ... | prefix_offset ......... read_offset ......... len(ids)
+                     (already emitted; context for the decoder)   (new tokens)
+
+    The text of the window minus the text of its prefix is new. While that new text ends in
+    U+FFFD the tail is half a UTF-8 character, so the offsets stay put until it completes.
+
+    `output_text` and `get_delta()` withhold a tail that is the start of a stop string until
+    it either completes the stop string (then it is trimmed) or stops matching; `finish()`
+    releases whatever is held when the request ends for another reason.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        # The prompt is not decoded: output text stands alone, as decode(output ids) does.
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.token_ids: list[int] = []
+        self.stop_str: str | None = None
+        """The stop string that ended the output, once matched."""
+        self.finished = False
+        self._text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._num_returned = 0
+        self._max_hold = max((len(s) - 1 for s in self.stop), default=0)
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Add sampled tokens; returns the stop string if one is now matched."""
+        if self.finished:
+            return None
+        self.token_ids.extend(new_token_ids)
+        start = len(self._text)
+        self._text += self._decode_new(flush=False)
+        if self.stop and len(self.token_ids) > self.min_tokens and len(self._text) > start:
+            return self._check_stop(start)
+        return None
+
+    def finish(self) -> None:
+        """The request ended: release held text (a dangling partial character decodes as
+        U+FFFD, as a full decode would show it)."""
+        if not self.finished:
+            self._text += self._decode_new(flush=True)
+            self.finished = True
+
+    @property
+    def output_text(self) -> str:
+        """All text so far (the part a stop string might still claim is held while running)."""
+        return self._text[: self._releasable_len()]
+
+    def get_delta(self) -> str:
+        """Text added to `output_text` since the last call."""
+        end = self._releasable_len()
+        delta = self._text[self._num_returned : end]
+        self._num_returned = max(self._num_returned, end)
+        return delta
+
+    def _decode_new(self, flush: bool) -> str:
+        ids = self.token_ids
+        if self._read_offset == len(ids):
+            return ""
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(ids[self._prefix_offset :])
+        if not flush and full_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        return full_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _check_stop(self, start: int) -> str | None:
+        # Only a match that ends in the new text is new; earlier text was checked already.
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            idx = self._text.find(s, max(0, start - len(s) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self._text = self._text[: idx + len(s) if self.include_stop_str_in_output else idx]
+        self.stop_str = s
+        self.finished = True
+        return s
+
+    def _releasable_len(self) -> int:
+        if self.finished or not self._max_hold:
+            return len(self._text)
+        return len(self._text) - self._partial_stop_len()
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        text = self._text
+        for n in range(min(self._max_hold, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) and len(s) > n for s in self.stop):
+                return n
+        return 0

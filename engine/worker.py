@@ -1,0 +1,42 @@
+"""One rank: its device, its shard of the model, its KV tensors and a ModelRunner."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import ModelSource
+from engine.model_runner import ModelRunner
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config,
+        source: ModelSource,
+        rank: int = 0,
+        local_rank: int = 0,
+    ):
+        self.config = config
+        self.rank = rank
+        if config.device == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.runner = ModelRunner(config, hf_config, self.device)
+        self.source = source
+
+    def load_model(self) -> None:
+        self.runner.load_model(self.source)
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

@@ -1,0 +1,199 @@
+"""kvray's greedy output on the bundled SmolLM2 equals transformers' token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.bundled import bundled_model_path
+
+MAX_NEW_TOKENS = 64
+
+LONG_TEXT = " ".join(
+    f"Section {i}: the river town kept records of every flood, every harvest and every "
+    f"market day, and the archivist number {i} wrote them down in a careful hand."
+    for i in range(20)
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.\n",
+    "def fibonacci(n):\n    ",
+    "请用中文介绍一下长城的历史。",
+    "人工智能的未来是",
+    "Once upon a time, in a land far away,",
+    "Q: What is 12 times 7?\nA:",
+    "import torch\nimport torch.nn as nn\n\nclass MLP(nn.Module):",
+    "The three primary colors are",
+    "Translate to French: 'Good morning, how are you?'\n",
+    LONG_TEXT + "\nSummarize the records above in one sentence:",
+]
+
+SHARED_PREFIX = LONG_TEXT[:900]
+PREFIX_PROMPTS = [SHARED_PREFIX + q for q in (" Who kept the records?", " What was recorded?")]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = bundled_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    model.eval()
+    return tok, model
+
+
+def _hf_greedy(hf, prompts: list[str]) -> list[list[int]]:
+    tok, model = hf
+    outs = []
+    for prompt in prompts:
+        ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            gen = model.generate(
+                ids,
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                attention_mask=torch.ones_like(ids),
+                pad_token_id=tok.eos_token_id,
+            )
+        outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf) -> list[list[int]]:
+    return _hf_greedy(hf, PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def hf_prefix_reference(hf) -> list[list[int]]:
+    return _hf_greedy(hf, PREFIX_PROMPTS)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+
+
+def _token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_same(got: list[list[int]], want: list[list[int]]) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        # HF stops at EOS; kvray does too (and reports finish_reason "stop").
+        assert g == w, f"prompt {i}: first difference at token {_first_diff(g, w)}"
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def test_long_prompt_is_long(hf):
+    tok, _ = hf
+    assert len(tok(PROMPTS[-1], add_special_tokens=False).input_ids) > 500
+
+
+def test_greedy_matches_transformers(hf_reference):
+    llm = LLM()
+    outputs = llm.generate(PROMPTS, GREEDY)
+    _assert_same(_token_ids(outputs), hf_reference)
+    tok = llm.get_tokenizer()
+    for out in outputs:
+        completion = out.outputs[0]
+        assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
+        assert completion.finish_reason in ("stop", "length")
+        if completion.finish_reason == "length":
+            assert len(completion.token_ids) == MAX_NEW_TOKENS
+
+
+def test_chunked_prefill_keeps_outputs(hf_reference):
+    llm = LLM(max_num_batched_tokens=32, max_num_seqs=8)
+    _assert_same(_token_ids(llm.generate(PROMPTS, GREEDY)), hf_reference)
+
+
+def test_prefix_caching_keeps_outputs_and_hits(hf_prefix_reference):
+    llm = LLM(enable_prefix_caching=True)
+    first = llm.generate(PREFIX_PROMPTS[:1], GREEDY)
+    assert llm.engine.stats()["prefix_cache_hits"] == 0
+    second = llm.generate(PREFIX_PROMPTS[1:], GREEDY)
+    assert llm.engine.stats()["prefix_cache_hits"] > 0
+    assert second[0].num_cached_tokens >= 16
+    _assert_same(_token_ids(first + second), hf_prefix_reference)
+
+
+def test_preemption_keeps_outputs(hf_reference):
+    # 59 usable blocks of 16 tokens cannot hold the whole batch: requests get preempted.
+    llm = LLM(num_gpu_blocks=60, enable_prefix_caching=False)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.stats()["num_preemptions"] > 0
+    _assert_same(_token_ids(outputs), hf_reference)
+    assert llm.engine.stats()["kv_cache_usage"] == 0
+
+
+def test_bad_input_is_a_clear_error():
+    llm = LLM(max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["word " * 100], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[10**7]], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM(max_num_seq=4)
+    # The engine still serves after rejecting bad requests.
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_missing_weights_file_is_named(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        LLM(model=str(missing))
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["FancyNewForCausalLM"], "model_type": "llama", "vocab_size": 32,'
+        ' "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,'
+        ' "intermediate_size": 32}'
+    )
+    with pytest.raises(ValueError, match="FancyNewForCausalLM"):
+        LLM(model=str(tmp_path), load_format="dummy")
+
+
+def test_stop_strings_and_n_and_chat():
+    llm = LLM()
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    base = llm.generate(["The three primary colors are"], params)[0].outputs[0]
+    words = base.text.split()
+    assert len(words) > 3
+    stop = words[2]
+    stopped = llm.generate(
+        ["The three primary colors are"],
+        SamplingParams(temperature=0.0, max_tokens=32, stop=[stop]),
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stop not in stopped.text and base.text.startswith(stopped.text)
+
+    sampled = llm.generate(
+        ["Tell me a story."], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
+    )[0]
+    assert [o.index for o in sampled.outputs] == [0, 1, 2]
+    again = llm.generate(
+        ["Tell me a story."], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
+    )[0]
+    assert [o.token_ids for o in sampled.outputs] == [o.token_ids for o in again.outputs]
+
+    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=8))
+    assert chat[0].outputs[0].token_ids
