@@ -1,6 +1,7 @@
 """Kernels behind one signature each: Triton on CUDA tensors, torch references elsewhere.
 
 Set KVRAY_TORCH_KERNELS=1 to force the references on a GPU too (the oracle path).
+The Triton modules are imported on first use, so CPU-only installs never load triton.
 """
 
 from __future__ import annotations
@@ -20,30 +21,63 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def store_kv(key, value, kv_cache, slot_mapping) -> None:
+    if use_triton(key):
+        from kernels.triton_attention import store_kv_triton
+
+        return store_kv_triton(key, value, kv_cache, slot_mapping)
     return store_kv_ref(key, value, kv_cache, slot_mapping)
 
 
 def paged_attention(
     query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
 ):
+    if use_triton(query):
+        from kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            query,
+            kv_cache,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            scale,
+            max_query_len,
+            max_seq_len,
+        )
     return paged_attention_ref(
         query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
     )
 
 
 def rms_norm(x, weight, eps):
+    if use_triton(x):
+        from kernels.triton_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
+    if use_triton(x):
+        from kernels.triton_norm import fused_add_rms_norm_triton
+
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
 def apply_rotary(positions, query, key, cos_sin_cache) -> None:
+    if use_triton(query):
+        from kernels.triton_rotary import apply_rotary_triton
+
+        return apply_rotary_triton(positions, query, key, cos_sin_cache)
     return apply_rotary_ref(positions, query, key, cos_sin_cache)
 
 
 def silu_and_mul(x):
+    if use_triton(x):
+        from kernels.triton_activation import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
 
 

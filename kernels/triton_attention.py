@@ -1,0 +1,557 @@
+"""Triton paged KV store and paged attention; drop-ins for attention_ref.
+
+Two attention kernels, picked on the host from max_query_len:
+
+- decode (every request has one query token): flash-decoding. Each program owns one
+  (request, kv head, context partition) and loads the query rows of all heads in that
+  kv head's group together, so every KV block is read once per group. A second small
+  kernel merges the partitions by their log-sum-exp.
+- general (prefill chunks, possibly mixed with decodes): each program owns a tile of
+  query tokens x group heads of one request and kv head, and walks the request's blocks
+  up to the tile's last causal position.
+
+Both are CUDA-graph capturable: grids and temporaries are sized from shapes and from
+max_seq_len / max_query_len, which the caller passes as Python ints (upper bounds are
+fine: programs past a request's real length return at once).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Decode tuning, chosen from bench/kernels.py on an H200 (see bench/NOTES-kernels.md).
+DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+# Partitions shorter than this spend more on the merge than they win in parallelism.
+DECODE_MIN_PARTITION = 256
+DECODE_MAX_SPLITS = 64
+# Decode programs resident per SM at the tile sizes above (registers and shared memory).
+DECODE_PROGRAMS_PER_SM = 4
+# (BLOCK_M rows = query tokens x group heads, BLOCK_N keys, warps, stages). float32 runs
+# its dots on FMA units and spills at the 16-bit tile sizes.
+PREFILL_CONFIG = (64, 64, 4, 3)
+PREFILL_CONFIG_FP32 = (32, 16, 8, 2)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    cache_off = (
+        (slot // BLOCK_SIZE) * stride_cb
+        + (slot % BLOCK_SIZE) * stride_cs
+        + h[:, None] * stride_ch
+        + d[None, :]
+    )
+    k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write key/value [T, Hkv, D] into kv_cache at slot_mapping [T] (negative slots skipped)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, N, B, Hkv, D]"
+    assert tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim), "kv_cache heads/dim mismatch"
+    assert slot_mapping.shape == (num_tokens,), "slot_mapping must be [T]"
+    assert key.stride(2) == 1 and value.stride(2) == 1, "key/value head_dim must be contiguous"
+    assert kv_cache.stride(4) == 1, "kv_cache head_dim must be contiguous"
+    if num_tokens == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    end,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    kv_head,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Online-softmax update of (m_i, l_i, acc) with keys n0 .. n0 + BLOCK_N - 1.
+
+    Keys at or past `end` are skipped, and with CAUSAL those past each row's q_pos too.
+    Unmasked tiles (MASKED=False) must lie wholly inside both limits.
+    """
+    n = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    # Loads stay masked either way: their predicate is per key row, so it costs nothing
+    # next to the K/V bytes, and stale slots past `end` may hold anything (NaN included).
+    n_mask = n < end
+    block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    kv_ptrs = (block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch)[:, None]
+    kv_ptrs += d[None, :]
+    kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
+    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        if CAUSAL:
+            s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    partition_size,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = split * partition_size
+    # Split 0 always runs so that even an empty context writes its (zero) result.
+    if q_len == 0 or (split > 0 and start >= seq_len):
+        return
+    end = tl.minimum(start + partition_size, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    row_mask = g < GROUP
+    q_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + q_start * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + req * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, end, m_i, k_cache_ptr, v_cache_ptr, table, kv_head, qk_scale,
+            stride_cb, stride_cs, stride_ch,
+            HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, MASKED=True, CAUSAL=False,
+        )  # fmt: skip
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    if SINGLE_SPLIT:
+        out = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        part = part_out_ptr + req * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(part[:, None] + d[None, :], acc, mask=q_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + req * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    partition_size,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_len == 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_valid = tl.minimum(tl.maximum(tl.cdiv(seq_len, partition_size), 1), num_splits)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_valid
+    lse_row = part_lse_ptr + req * stride_lb + head * stride_lh
+    lse = tl.load(lse_row + s, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)
+    parts = tl.load(
+        part_out_ptr + req * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + q_start * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Row r of the tile is query token q_tile * BLOCK_Q + r // GROUP of head r % GROUP in
+    # this kv head's group, so one K/V tile load serves every head of the group.
+    req = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    tok = q_tile * BLOCK_Q + r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    row_mask = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    q_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + heads * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask)
+    q_pos = context_len + tok
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + req * stride_bt
+    # Keys up to the tile's first query position are visible to every row: those tiles
+    # skip the causal mask. Keys past its last query position are masked for every row.
+    # Key 0 is visible to every row, so m_i is finite after the first tile.
+    unmasked_end = (context_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+    kv_end = context_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
+            qk_scale, stride_cb, stride_cs, stride_ch,
+            HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, MASKED=False, CAUSAL=True,
+        )  # fmt: skip
+    for n0 in range(unmasked_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
+            qk_scale, stride_cb, stride_cs, stride_ch,
+            HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, MASKED=True, CAUSAL=True,
+        )  # fmt: skip
+
+    acc = acc / l_i[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Context partitions per (request, kv head): about one wave of programs in all.
+
+    A wave is DECODE_PROGRAMS_PER_SM resident programs on every SM. A batch that already
+    fills it gains nothing from splitting and pays for the merge; a few long requests
+    split until they fill it.
+    """
+    wave = DECODE_PROGRAMS_PER_SM * num_sms
+    programs = max(1, num_seqs * num_kv_heads)
+    most = max(1, min(DECODE_MAX_SPLITS, triton.cdiv(max_seq_len, DECODE_MIN_PARTITION)))
+    return max(1, min(most, (wave + programs // 2) // programs))
+
+
+def _check_attention_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
+    assert query.dim() == 3, "query must be [T, Hq, D]"
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, N, B, Hkv, D]"
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    assert kv_cache.shape[4] == head_dim, f"kv_cache head_dim {kv_cache.shape[4]} != {head_dim}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} q heads not a multiple of {num_kv_heads}"
+    assert kv_cache.dtype == query.dtype, f"kv_cache {kv_cache.dtype} != query {query.dtype}"
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
+    block_size = kv_cache.shape[2]
+    assert block_size & (block_size - 1) == 0, f"block_size {block_size} must be a power of two"
+    num_seqs = seq_lens.shape[0]
+    assert query_start_loc.shape == (num_seqs + 1,), "query_start_loc must be [B + 1]"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, "block_tables [B, M]"
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over paged context; returns [T, Hq, D].
+
+    max_query_len / max_seq_len may be upper bounds (CUDA graphs capture with the
+    largest). num_splits overrides the decode partition count (benchmarks).
+    """
+    _check_attention_args(query, kv_cache, query_start_loc, seq_lens, block_tables)
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    qk_scale = scale * LOG2E
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+
+    if max_query_len == 1:
+        if num_splits is None:
+            num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
+            num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+        block_g = max(16, triton.next_power_of_2(group))
+        block_n, num_warps = DECODE_BLOCK_N, DECODE_NUM_WARPS
+        if block_g >= 32:
+            # Many query rows per program (MQA-like groups): more warps, and float32 tiles
+            # small enough not to spill.
+            num_warps = 8
+            block_n = 32 if query.dtype == torch.float32 else block_n
+        partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+        single = num_splits == 1
+        if single:
+            # The kernel writes the final output directly; the partial buffers go unused.
+            part_out, part_lse = out, out
+            part_strides = (0, 0, 0, 0, 0)
+        else:
+            part_out = torch.empty(
+                (num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device
+            )
+            part_lse = torch.empty(
+                (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+            )
+            part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
+        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            query,
+            k_cache,
+            v_cache,
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            qk_scale,
+            partition,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *cache_strides,
+            block_tables.stride(0),
+            *part_strides,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_G=block_g,
+            BLOCK_D=block_d,
+            BLOCK_N=block_n,
+            BLOCK_SIZE=block_size,
+            SINGLE_SPLIT=single,
+            DOT_PRECISION=precision,
+            num_warps=num_warps,
+            num_stages=DECODE_NUM_STAGES,
+        )
+        if not single:
+            _decode_merge_kernel[(num_seqs, num_heads)](
+                out,
+                part_out,
+                part_lse,
+                query_start_loc,
+                seq_lens,
+                partition,
+                num_splits,
+                out.stride(0),
+                out.stride(1),
+                *part_strides,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_S=triton.next_power_of_2(num_splits),
+            )
+        return out
+
+    max_m, block_n, num_warps, num_stages = (
+        PREFILL_CONFIG_FP32 if query.dtype == torch.float32 else PREFILL_CONFIG
+    )
+    # Small tiles when every query is short (decodes mixed with short chunks).
+    block_m = max(16, min(max_m, triton.next_power_of_2(max_query_len * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        qk_scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *cache_strides,
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        DOT_PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+__all__ = ["decode_num_splits", "paged_attention_triton", "store_kv_triton"]

@@ -1,0 +1,475 @@
+"""Kernel tests.
+
+CPU (CI): the torch references against independent naive computations.
+GPU (`-m gpu`, on the device): every Triton op against its reference on random inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.activation_ref import silu_and_mul_ref
+from kernels.attention_ref import paged_attention_ref, store_kv_ref
+from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary_ref import apply_rotary_ref
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def gpu_test(fn):
+    """Marks a test `gpu` and skips it where CUDA is absent."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(fn))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def param_id(value) -> str | None:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def make_paged_batch(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    share_prefix: bool = True,
+    seed: int = 0,
+) -> dict:
+    """A ragged batch over a randomly laid out paged cache.
+
+    Request i has ctx_lens[i] cached tokens and q_lens[i] new ones (already stored, as the
+    attention contract says). Requests 0 and 1 share their common full blocks, and every
+    slot that no request may read (null block 0, the tail of each last block) holds NaN.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
+    blocks_per_req = [cdiv(s, block_size) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_per_req)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    # Two spare columns: tables are wider than any request needs, as in the engine.
+    tables = torch.zeros(len(seq_lens), max(blocks_per_req) + 2, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_req):
+        tables[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    if share_prefix and len(seq_lens) >= 2:
+        shared = min(seq_lens[0], seq_lens[1]) // block_size
+        tables[1, :shared] = tables[0, :shared]
+    kv_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_gen = torch.Generator(device).manual_seed(seed)
+    kv_cache = torch.randn(kv_shape, generator=kv_gen, device=device)
+    kv_cache[:, 0] = float("nan")
+    for i, s in enumerate(seq_lens):
+        if s % block_size:
+            kv_cache[:, tables[i, blocks_per_req[i] - 1], s % block_size :] = float("nan")
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return dict(
+        query=query.to(device, dtype),
+        kv_cache=kv_cache.to(dtype),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        scale=head_dim**-0.5,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def sdpa_oracle(batch: dict) -> torch.Tensor:
+    """Per request: gather its K/V contiguously and run SDPA with a causal offset mask."""
+    query, kv_cache = batch["query"], batch["kv_cache"]
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    group = query.shape[1] // num_kv_heads
+    starts = batch["query_start_loc"].tolist()
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(batch["seq_lens"].tolist()):
+        q = query[starts[i] : starts[i + 1]]
+        q_len = q.shape[0]
+        slots = [
+            int(batch["block_tables"][i, pos // block_size]) * block_size + pos % block_size
+            for pos in range(seq_len)
+        ]
+        flat = kv_cache.reshape(2, -1, num_kv_heads, head_dim)[:, slots]
+        k = flat[0].repeat_interleave(group, dim=1).transpose(0, 1).double()
+        v = flat[1].repeat_interleave(group, dim=1).transpose(0, 1).double()
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        mask = torch.arange(seq_len)[None, :] <= q_pos
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).double(), k, v, attn_mask=mask, scale=batch["scale"]
+        )
+        out[starts[i] : starts[i + 1]] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def run_ref(batch: dict) -> torch.Tensor:
+    return paged_attention_ref(**batch)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 16), (16, 2, 64, 32)],
+)
+def test_paged_attention_ref_matches_sdpa(num_heads, num_kv_heads, head_dim, block_size):
+    # Fresh prompts, prefill chunks over cached prefixes, decodes; lengths off the block grid.
+    q_lens = [23, 1, 7, 1, 40, 1]
+    ctx_lens = [37, 70, 0, 0, 16, 129]
+    batch = make_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size)
+    out = run_ref(batch)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, sdpa_oracle(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_ref_shared_prefix_blocks_give_same_prefix_attention():
+    # Two requests whose tables point at the same prefix blocks see the same prefix: their
+    # first-token queries, made equal, produce equal outputs.
+    batch = make_paged_batch([1, 1], [31, 31], 4, 2, 64, share_prefix=False)
+    batch["block_tables"][1] = batch["block_tables"][0]
+    batch["query"][1] = batch["query"][0]
+    out = run_ref(batch)
+    torch.testing.assert_close(out[0], out[1])
+
+
+def test_paged_attention_ref_ignores_padding_rows_of_block_table():
+    batch = make_paged_batch([3, 1], [20, 50], 4, 2, 64)
+    expected = run_ref(batch)
+    batch["block_tables"][:, -2:] = 12345  # past every request's last block
+    torch.testing.assert_close(run_ref(batch), expected)
+
+
+def test_store_kv_ref_writes_slots_and_skips_negative():
+    num_kv_heads, head_dim, block_size = 3, 8, 4
+    kv_cache = torch.randn(2, 5, block_size, num_kv_heads, head_dim)
+    before = kv_cache.clone()
+    # key/value as strided views of a fused qkv projection, as the model produces them.
+    qkv = torch.randn(6, (6 + 2 * num_kv_heads) * head_dim)
+    key = qkv[:, 6 * head_dim : 9 * head_dim].view(6, num_kv_heads, head_dim)
+    value = qkv[:, 9 * head_dim :].view(6, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor([5, -1, 19, 0, -1, 8])
+    store_kv_ref(key, value, kv_cache, slot_mapping)
+    expected = before.clone()
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            expected[0, slot // block_size, slot % block_size] = key[t]
+            expected[1, slot // block_size, slot % block_size] = value[t]
+    assert torch.equal(kv_cache, expected)
+
+
+def test_store_kv_ref_converts_to_cache_dtype():
+    kv_cache = torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16)
+    key = torch.randn(1, 1, 8)
+    store_kv_ref(key, -key, kv_cache, torch.tensor([6]))
+    assert torch.equal(kv_cache[0, 1, 2], key[0].to(torch.bfloat16))
+    assert torch.equal(kv_cache[1, 1, 2], (-key[0]).to(torch.bfloat16))
+
+
+def make_cos_sin_cache(max_position: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def rotary_complex(x: torch.Tensor, positions: torch.Tensor, head_dim: int, base: float):
+    """Rotate-half rope as complex multiplication: (x_j + i x_{j+D/2}) * e^{i pos theta_j}."""
+    half = head_dim // 2
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    rot = torch.polar(torch.ones(1, dtype=torch.float64), positions.double()[:, None] * inv_freq)
+    z = torch.complex(x[..., :half].double(), x[..., half:].double()) * rot[:, None, :]
+    return torch.cat((z.real, z.imag), dim=-1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_apply_rotary_ref_matches_complex_rotation_on_fused_qkv_views(head_dim):
+    num_tokens, num_heads, num_kv_heads, base = 7, 9, 3, 10000.0
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    query = qkv[:, :q_end].view(num_tokens, num_heads, head_dim)
+    key = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+    q0, k0, v0 = query.clone(), key.clone(), qkv[:, k_end:].clone()
+    positions = torch.tensor([0, 1, 5, 100, 4095, 17, 3])
+    apply_rotary_ref(positions, query, key, make_cos_sin_cache(4096, head_dim, base))
+    tol = dict(atol=1e-5, rtol=1e-5)  # float32 rounding of the cache and of the result
+    torch.testing.assert_close(query.double(), rotary_complex(q0, positions, head_dim, base), **tol)
+    torch.testing.assert_close(key.double(), rotary_complex(k0, positions, head_dim, base), **tol)
+    assert torch.equal(qkv[:, k_end:], v0), "value columns of the fused tensor must not change"
+
+
+def test_apply_rotary_ref_scores_depend_only_on_relative_position():
+    head_dim = 64
+    cache = make_cos_sin_cache(512, head_dim)
+    q = torch.randn(1, 1, head_dim).expand(4, 1, head_dim).clone()
+    k = torch.randn(1, 1, head_dim).expand(4, 1, head_dim).clone()
+    apply_rotary_ref(torch.tensor([10, 110, 300, 13]), q, k.clone(), cache)
+    k_rot = k.clone()
+    apply_rotary_ref(torch.tensor([3, 103, 293, 0]), q.clone(), k_rot, cache)
+    scores = (q * k_rot).sum(-1).flatten()  # query at p, key at p - 7 (last row: p - 13)
+    torch.testing.assert_close(scores[:3], scores[0].expand(3), atol=1e-4, rtol=1e-4)
+    assert not torch.isclose(scores[3], scores[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_rms_norm_ref_matches_formula(dtype):
+    x = (torch.randn(5, 576) * 3).to(dtype)
+    weight = torch.randn(576)
+    eps = 1e-5
+    xd = x.double()
+    expected = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    out = rms_norm_ref(x, weight, eps)
+    assert out.dtype == dtype
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+def test_fused_add_rms_norm_ref_returns_norm_of_sum_and_sum():
+    x, residual, weight = torch.randn(4, 96), torch.randn(4, 96), torch.randn(96)
+    x0, r0 = x.clone(), residual.clone()
+    normed, summed = fused_add_rms_norm_ref(x, residual, weight, 1e-6)
+    s = x0.double() + r0.double()
+    torch.testing.assert_close(summed.double(), s)
+    expected = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    torch.testing.assert_close(normed.double(), expected)
+    assert torch.equal(x, x0) and torch.equal(residual, r0), "inputs must not be mutated"
+
+
+def test_silu_and_mul_ref_matches_formula():
+    x = torch.randn(3, 2 * 40) * 4
+    gate, up = x[:, :40].double(), x[:, 40:].double()
+    expected = gate / (1 + torch.exp(-gate)) * up
+    torch.testing.assert_close(silu_and_mul_ref(x).double(), expected)
+
+
+def test_cpu_tensors_use_the_references():
+    assert not kernels.use_triton(torch.empty(1))
+    batch = make_paged_batch([2, 1], [5, 9], 4, 2, 64)
+    torch.testing.assert_close(kernels.paged_attention(**batch), run_ref(batch))
+
+
+@pytest.mark.parametrize("name", ["attention", "norm", "rotary", "activation"])
+def test_triton_modules_import_without_a_gpu(name):
+    pytest.importorskip("triton")
+    module = importlib.import_module(f"kernels.triton_{name}")
+    assert any(n.endswith("_triton") for n in dir(module))
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "NaN in kernel output"
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[ref.dtype])
+
+
+# (num_heads, num_kv_heads, head_dim, dtype): GQA 1/3/4/8 x D 64/128 in bf16, a spread of
+# the same in fp16 and fp32, and two single-kv-head models.
+ATTN_CONFIGS = [
+    (h, kv, d, torch.bfloat16) for (h, kv) in [(4, 4), (9, 3), (32, 8), (16, 2)] for d in (64, 128)
+] + [
+    (8, 8, 128, torch.float16),
+    (9, 3, 64, torch.float16),
+    (32, 8, 128, torch.float16),
+    (16, 2, 64, torch.float16),
+    (9, 3, 64, torch.float32),
+    (16, 2, 128, torch.float32),
+    # MQA-like groups: more query rows per program than the usual tiles.
+    (32, 1, 128, torch.bfloat16),
+    (64, 1, 64, torch.float32),
+]
+
+
+def scenario(kind: str, seed: int) -> tuple[list[int], list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(lo: int, hi: int, n: int) -> list[int]:
+        return torch.randint(lo, hi, (n,), generator=gen).tolist()
+
+    if kind == "decode":
+        return [1] * 64, rand(0, 700, 64)
+    if kind == "prefill":
+        return rand(1, 150, 6), [0, *rand(0, 300, 5)]
+    # Mixed: decodes interleaved with prefill chunks over cached prefixes.
+    q_lens = [1, 1, 37, 1, 1, 90, 1, 1, 1, 5, 1, 1, 130, 1]
+    ctx = rand(0, 400, len(q_lens))
+    return q_lens, ctx
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype", ATTN_CONFIGS, ids=param_id)
+@gpu_test
+def test_triton_paged_attention(kind, num_heads, num_kv_heads, head_dim, dtype):
+    from kernels.triton_attention import paged_attention_triton
+
+    q_lens, ctx = scenario(kind, seed=head_dim + num_heads)
+    batch = make_paged_batch(q_lens, ctx, num_heads, num_kv_heads, head_dim, 16, dtype, "cuda")
+    assert_matches(paged_attention_triton(**batch), run_ref(batch))
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens",
+    [
+        ([1], [0]),  # first decode step of a 1-token prompt
+        ([1], [4500]),  # one long request: many context partitions
+        ([1] * 256, list(range(3, 256 * 5, 5))),
+        ([1, 1], [2999, 20]),  # partitions past the short request's end
+        ([300, 1], [0, 33]),  # prefill longer than one query tile
+    ],
+)
+@pytest.mark.parametrize("block_size", [16, 32])
+@gpu_test
+def test_triton_paged_attention_batch_shapes(q_lens, ctx_lens, block_size):
+    from kernels.triton_attention import paged_attention_triton
+
+    batch = make_paged_batch(q_lens, ctx_lens, 32, 8, 128, block_size, torch.bfloat16, "cuda")
+    assert_matches(paged_attention_triton(**batch), run_ref(batch))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7, 64])
+@gpu_test
+def test_triton_paged_decode_any_split_count(num_splits):
+    from kernels.triton_attention import paged_attention_triton
+
+    batch = make_paged_batch([1] * 5, [0, 15, 16, 1000, 2049], 9, 3, 64, 16, torch.float16, "cuda")
+    assert_matches(paged_attention_triton(**batch, num_splits=num_splits), run_ref(batch))
+
+
+@gpu_test
+def test_triton_paged_decode_replays_in_cuda_graph_with_new_lengths():
+    from kernels.triton_attention import paged_attention_triton
+
+    num_seqs, max_seq_len, block_size = 8, 2048, 16
+    max_blocks = max_seq_len // block_size
+    # Capture once with upper-bound metadata, then replay on other lengths and tables.
+    static = make_paged_batch(
+        [1] * num_seqs,
+        [max_seq_len - 1] * num_seqs,
+        32,
+        8,
+        128,
+        block_size,
+        torch.bfloat16,
+        "cuda",
+        share_prefix=False,
+    )
+    static["kv_cache"].copy_(torch.randn_like(static["kv_cache"]))
+    static["block_tables"] = static["block_tables"][:, :max_blocks].contiguous()
+    paged_attention_triton(**static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_triton(**static)
+    num_blocks = static["kv_cache"].shape[1]
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        seq_lens = torch.randint(1, max_seq_len + 1, (num_seqs,), generator=gen)
+        tables = torch.randint(1, num_blocks, (num_seqs, max_blocks), generator=gen)
+        static["seq_lens"].copy_(seq_lens)
+        static["block_tables"].copy_(tables)
+        static["query"].copy_(torch.randn(static["query"].shape, generator=gen))
+        graph.replay()
+        ref = run_ref({**static, "max_seq_len": int(seq_lens.max())})
+        assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("num_tokens", [1, 37, 300])
+@gpu_test
+def test_triton_store_kv(dtype, num_tokens):
+    from kernels.triton_attention import store_kv_triton
+
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda")
+    qkv = qkv.to(dtype)
+    k_end = (num_heads + num_kv_heads) * head_dim
+    key = qkv[:, num_heads * head_dim : k_end].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slots[::5] = -1
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device="cuda")
+    cache = cache.to(dtype)
+    expected = cache.clone()
+    store_kv_ref(key, value, expected, slots)
+    store_kv_triton(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("hidden", [576, 4096, 1000])
+@gpu_test
+def test_triton_norms(dtype, hidden):
+    from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
+
+    # Rows strided inside a wider buffer, as a slice of a larger activation would be.
+    x = (torch.randn(33, hidden + 8, device="cuda") * 3).to(dtype)[:, :hidden]
+    residual = torch.randn(33, hidden, device="cuda").to(dtype)
+    weight = torch.randn(hidden, device="cuda")
+    x0, r0 = x.clone(), residual.clone()
+    assert_matches(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
+    normed, summed = fused_add_rms_norm_triton(x, residual, weight, 1e-5)
+    ref_normed, ref_summed = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(summed, ref_summed)
+    assert_matches(normed, ref_normed)
+    assert torch.equal(x, x0) and torch.equal(residual, r0), "inputs must not be mutated"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
+@gpu_test
+def test_triton_rotary_on_fused_qkv(dtype, num_heads, num_kv_heads, head_dim):
+    from kernels.triton_rotary import apply_rotary_triton
+
+    num_tokens = 77
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda")
+    qkv = qkv.to(dtype)
+    expected = qkv.clone()
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+
+    def views(t):
+        q = t[:, :q_end].view(num_tokens, num_heads, head_dim)
+        return q, t[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+
+    cache = make_cos_sin_cache(8192, head_dim).cuda()
+    positions = torch.randint(0, 8192, (num_tokens,), device="cuda")
+    apply_rotary_ref(positions, *views(expected), cache)
+    apply_rotary_triton(positions, *views(qkv), cache)
+    assert_matches(qkv, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("inter", [1536, 14336, 100])
+@gpu_test
+def test_triton_silu_and_mul(dtype, inter):
+    from kernels.triton_activation import silu_and_mul_triton
+
+    x = (torch.randn(29, 2 * inter, device="cuda") * 3).to(dtype)
+    assert_matches(silu_and_mul_triton(x), silu_and_mul_ref(x))
+
+
+@gpu_test
+def test_cuda_tensors_dispatch_to_triton_unless_forced_to_references(monkeypatch):
+    from kernels.triton_attention import paged_attention_triton
+
+    batch = make_paged_batch([5, 1], [40, 77], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    monkeypatch.delenv("KVRAY_TORCH_KERNELS", raising=False)
+    assert kernels.use_triton(batch["query"])
+    assert torch.equal(kernels.paged_attention(**batch), paged_attention_triton(**batch))
+    monkeypatch.setenv("KVRAY_TORCH_KERNELS", "1")
+    assert not kernels.use_triton(batch["query"])
+    assert torch.equal(kernels.paged_attention(**batch), run_ref(batch))
