@@ -1,0 +1,307 @@
+"""Online serving benchmark against any OpenAI-compatible server (kvray, vLLM, ...).
+
+    python -m bench.serve --base-url http://127.0.0.1:8000 --tokenizer DIR \\
+        --num-prompts 500 --request-rate 16 --random-input-len 1024 --random-output-len 128 \\
+        --ignore-eos --seed 21
+
+Requests stream (`stream_options.include_usage`), arrive as a Poisson process at
+--request-rate (inf: all at once) under an optional --max-concurrency cap. Reports TTFT,
+TPOT, ITL and end-to-end latency (mean and percentiles), request and token throughput,
+and goodput under an SLO (--goodput ttft:200 tpot:50, in ms); one JSON object out.
+
+Prompts: random token ids of the requested lengths (--dataset random, lengths uniform in
+len * [1 - ratio, 1 + ratio]) or a ShareGPT-like lognormal mix (--dataset lognormal).
+With --tokenizer they are sent as text (decoded ids; a word-level tokenizer round-trips
+exactly), without one as token-id prompts. Give each run its own --seed: a repeated seed
+repeats the prompts and rides the prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_len: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_len < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
+
+
+def make_requests(args: argparse.Namespace, tokenizer: Any | None) -> list[tuple[Any, int, int]]:
+    """(prompt, prompt_len, max_tokens) for every request, deterministic in --seed."""
+    rng = random.Random(args.seed)
+    vocab = len(tokenizer) if tokenizer is not None else args.vocab_size
+    requests = []
+    for _ in range(args.num_prompts):
+        if args.dataset == "lognormal":
+            n_in = _lognormal(
+                rng, args.lognormal_input_median, args.lognormal_sigma, args.max_input_len
+            )
+            n_out = _lognormal(
+                rng, args.lognormal_output_median, args.lognormal_sigma, args.max_output_len
+            )
+        else:
+            n_in = _uniform(rng, args.random_input_len, args.random_range_ratio)
+            n_out = _uniform(rng, args.random_output_len, args.random_range_ratio)
+        ids = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(n_in)]
+        if tokenizer is None:
+            requests.append((ids, n_in, n_out))
+            continue
+        # Decode and re-encode: BPE merges can change the length, so the text is cut to
+        # n_in tokens of its own encoding (a word-level tokenizer round-trips exactly).
+        text = tokenizer.decode(ids)
+        ids = tokenizer.encode(text, add_special_tokens=False)[:n_in]
+        requests.append((tokenizer.decode(ids), len(ids), n_out))
+    return requests
+
+
+def _uniform(rng: random.Random, length: int, ratio: float) -> int:
+    return rng.randint(max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio))))
+
+
+def _lognormal(rng: random.Random, median: int, sigma: float, cap: int) -> int:
+    return max(1, min(cap, int(rng.lognormvariate(np.log(median), sigma))))
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    prompt: Any,
+    prompt_len: int,
+    max_tokens: int,
+) -> RequestResult:
+    chat = args.endpoint.endswith("chat/completions")
+    body: dict[str, Any] = {
+        "model": args.model,
+        "max_tokens": max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    result = RequestResult(ok=False, prompt_len=prompt_len)
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with session.post(args.base_url + args.endpoint, json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:]
+                if payload == b"[DONE]":
+                    break
+                data = json.loads(payload)
+                if "error" in data:
+                    result.error = data["error"].get("message", str(data["error"]))
+                    return result
+                if data.get("usage"):
+                    result.output_len = data["usage"]["completion_tokens"]
+                    result.prompt_len = data["usage"]["prompt_tokens"]
+                choices = data.get("choices") or []
+                if not choices or not _has_content(choices[0], chat):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+                chunks += 1
+    except (TimeoutError, aiohttp.ClientError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e_s = time.perf_counter() - start
+    result.output_len = result.output_len or chunks
+    result.ok = chunks > 0
+    return result
+
+
+def _has_content(choice: dict, chat: bool) -> bool:
+    if chat:
+        return bool((choice.get("delta") or {}).get("content"))
+    return bool(choice.get("text"))
+
+
+async def run(
+    args: argparse.Namespace, requests: list[tuple[Any, int, int]]
+) -> tuple[list[RequestResult], float]:
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+    rng = np.random.default_rng(args.seed)
+    timeout = aiohttp.ClientTimeout(total=args.timeout_s)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        timeout=timeout, headers=headers, connector=connector
+    ) as session:
+        if args.model is None:
+            async with session.get(args.base_url + "/v1/models") as response:
+                args.model = (await response.json())["data"][0]["id"]
+
+        async def one(request: tuple[Any, int, int]) -> RequestResult:
+            async with limit:
+                return await send(session, args, *request)
+
+        tasks = []
+        start = time.perf_counter()
+        for request in requests:
+            tasks.append(asyncio.create_task(one(request)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def summarize(args: argparse.Namespace, results: list[RequestResult], duration_s: float) -> dict:
+    done = [r for r in results if r.ok]
+    pcts = [float(p) for p in args.percentiles.split(",")]
+    metrics = {
+        "ttft": [r.ttft_s for r in done],
+        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+        "itl": [t for r in done for t in r.itl_s],
+        "e2el": [r.e2e_s for r in done],
+    }
+    out: dict[str, Any] = {
+        "bench": "serve",
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "model": args.model,
+        "dataset": args.dataset,
+        "num_prompts": len(results),
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": round(duration_s, 3),
+        "total_input_tokens": sum(r.prompt_len for r in done),
+        "total_output_tokens": sum(r.output_len for r in done),
+    }
+    out["request_throughput"] = round(len(done) / duration_s, 3)
+    out["output_throughput"] = round(out["total_output_tokens"] / duration_s, 1)
+    out["total_token_throughput"] = round(
+        (out["total_input_tokens"] + out["total_output_tokens"]) / duration_s, 1
+    )
+    for name, values in metrics.items():
+        ms = np.asarray(values) * 1000 if values else np.zeros(1)
+        out[f"mean_{name}_ms"] = round(float(ms.mean()), 3)
+        for p in pcts:
+            out[f"p{p:g}_{name}_ms"] = round(float(np.percentile(ms, p)), 3)
+    if args.goodput:
+        slo = parse_slo(args.goodput)
+        good = sum(1 for r in done if _meets(r, slo))
+        out["goodput_slo_ms"] = slo
+        out["goodput"] = round(good / duration_s, 3)
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+def parse_slo(items: list[str]) -> dict[str, float]:
+    slo = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS tpot:MS e2el:MS, got {item!r}")
+        slo[name] = float(value)
+    return slo
+
+
+def _meets(r: RequestResult, slo: dict[str, float]) -> bool:
+    values = {"ttft": r.ttft_s, "tpot": r.tpot_s or 0.0, "e2el": r.e2e_s}
+    return all(values[name] * 1000 <= limit for name, limit in slo.items())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument(
+        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
+    )
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tokenizer", default=None, help="HF folder or .gguf: send text prompts")
+    p.add_argument("--vocab-size", type=int, default=32000, help="token-id prompts: ids below this")
+    p.add_argument("--dataset", choices=["random", "lognormal"], default="random")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--lognormal-input-median", type=int, default=256)
+    p.add_argument("--lognormal-output-median", type=int, default=192)
+    p.add_argument("--lognormal-sigma", type=float, default=0.9)
+    p.add_argument("--max-input-len", type=int, default=3072)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--percentiles", default="50,90,99")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS")
+    p.add_argument("--timeout-s", type=float, default=6 * 3600)
+    p.add_argument("--result-file", default=None, help="write the JSON summary here")
+    p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
+    p.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    tokenizer = None
+    if args.tokenizer is not None:
+        from engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    elif args.endpoint.endswith("chat/completions"):
+        raise SystemExit("chat prompts are text: give --tokenizer")
+    requests = make_requests(args, tokenizer)
+    results, duration_s = asyncio.run(run(args, requests))
+    summary = summarize(args, results, duration_s)
+    if args.label:
+        summary["label"] = args.label
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            f.write(json.dumps(summary) + "\n")
+    if args.record:
+        from bench.common import emit
+
+        emit(summary, record=True)
+    else:
+        print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

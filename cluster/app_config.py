@@ -1,0 +1,181 @@
+"""The one set of keys that builds a kvray Serve app.
+
+`serve run serve_app:build_app key=value ...`, the `args:` of a Serve config file and
+`kvray serve --key value ...` all validate through `AppConfig`: an unknown key or a bad
+value fails at start with a message naming it. Engine keys are the engine's own
+(engine/config.py), so the two can never drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+
+class TenantConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_concurrent_requests: int | None = Field(default=None, gt=0)
+    """Requests of this tenant in flight at once; more get 429."""
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+    """Prompt + completion tokens over the last 60 s; past it requests get 429."""
+    priority: int = 0
+    """Scheduling priority (lower runs first); a request may ask for a later one, not an earlier one."""
+    cache_salt: str | None = None
+    """Prefix-cache salt; default: the tenant's name, so tenants never share cached blocks."""
+    request_timeout_s: float | None = Field(default=None, gt=0)
+    """Overrides the app's request_timeout_s for this tenant."""
+
+    @property
+    def has_limits(self) -> bool:
+        return self.max_concurrent_requests is not None or self.tokens_per_minute is not None
+
+
+class ServeOptions(BaseModel):
+    """Keys of the Serve app itself (replicas, queues, safety, tenants)."""
+
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, protected_namespaces=()
+    )
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest LLMServer replicas (each holds one copy of the model)."""
+    max_replicas: int = Field(default=1, gt=0)
+    initial_replicas: int | None = Field(default=None, ge=0)
+    target_ongoing_requests: float | None = Field(default=None, gt=0)
+    """Requests per replica the autoscaler aims at; default: half of max_ongoing_requests."""
+    max_ongoing_requests: int | None = Field(default=None, gt=0)
+    """Requests one replica takes at once; default: the engine's max_num_seqs (256)."""
+    max_queued_requests: int | None = Field(default=None, ge=0)
+    """Requests waiting for a replica; more get 429. Default: 4 x max_ongoing_requests."""
+    upscale_delay_s: float = Field(default=30.0, ge=0)
+    downscale_delay_s: float = Field(default=600.0, ge=0)
+    look_back_period_s: float = Field(default=30.0, gt=0)
+    metrics_interval_s: float | None = Field(default=None, gt=0)
+    """How often replicas report load to the autoscaler (Ray's default: 10 s)."""
+    num_cpus: float | None = Field(default=None, gt=0)
+    """CPUs per placement-group bundle (one bundle per rank); default 1 with GPUs, 0.25 without."""
+    ingress_min_replicas: int = Field(default=1, gt=0)
+    ingress_max_replicas: int = Field(default=2, gt=0)
+    ingress_target_ongoing_requests: float = Field(default=256, gt=0)
+    ingress_max_ongoing_requests: int = Field(default=8192, gt=0)
+    ingress_num_cpus: float = Field(default=0.25, ge=0)
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    """API key -> tenant name. When set, requests need `Authorization: Bearer <key>` (401 without)."""
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    """Tenant name -> limits, priority, cache salt. Without api_keys the tenant is the
+    X-Tenant-Id header (or "default")."""
+    request_timeout_s: float | None = Field(default=600.0, gt=0)
+    """A request still running after this long is aborted (its KV freed) with a 408."""
+    max_request_body_bytes: int = Field(default=8 << 20, gt=0)
+    """Larger request bodies get 413 before they are read."""
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> ServeOptions:
+        for prefix in ("", "ingress_"):
+            lo, hi = getattr(self, f"{prefix}min_replicas"), getattr(self, f"{prefix}max_replicas")
+            if hi < lo:
+                raise ValueError(
+                    f"{prefix}max_replicas ({hi}) must be >= {prefix}min_replicas ({lo})"
+                )
+        initial = self.initial_replicas
+        if initial is not None and not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(
+                f"initial_replicas ({initial}) must be in [min_replicas, max_replicas] "
+                f"= [{self.min_replicas}, {self.max_replicas}]"
+            )
+        return self
+
+    @field_validator("api_keys", "tenants", mode="before")
+    @classmethod
+    def _json_string(cls, value: Any) -> Any:
+        # `serve run ... api_keys='{"k": "team"}'` and CLI flags hand dicts over as JSON text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON: {e}") from None
+        return value
+
+
+def _engine_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    # ModelConfig comes first: its max_model_len default (None = the model's own) wins.
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+        for name, info in cls.model_fields.items():
+            fields.setdefault(name, (info.annotation, info))
+    fields["policy"] = (Literal["fcfs", "priority"], Field(default="priority"))
+    fields["device"] = (Literal["cpu", "cuda"] | None, Field(default=None))
+    fields["enforce_eager"] = (bool, Field(default=False))
+    return fields
+
+
+ENGINE_KEYS = frozenset(_engine_fields())
+
+_AppConfigBase = create_model("_AppConfigBase", __base__=ServeOptions, **_engine_fields())
+
+
+class AppConfig(_AppConfigBase):
+    """Every key of a kvray Serve app: the engine's (vLLM names) and `ServeOptions`.
+
+    The server's scheduling policy defaults to "priority" so tenant priorities take effect;
+    with equal priorities it admits in arrival order, like "fcfs".
+    """
+
+    def engine_args(self) -> dict[str, Any]:
+        """The engine keys that were given; the engine resolves the rest."""
+        given = (self.model_fields_set & ENGINE_KEYS) | {"policy"}
+        return {k: getattr(self, k) for k in given}
+
+    def with_resolved_device(self) -> AppConfig:
+        """Pin `device` (cuda when the Ray cluster, or this machine, has GPUs), so that the
+        placement group and the engine inside it agree."""
+        if self.device is not None:
+            return self
+        return self.model_copy(update={"device": "cuda" if _cluster_has_gpus() else "cpu"})
+
+    def resolved_max_ongoing_requests(self) -> int:
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        return self.max_num_seqs
+
+    def tenant(self, name: str) -> TenantConfig:
+        return self.tenants.get(name) or TenantConfig()
+
+    @property
+    def has_tenant_limits(self) -> bool:
+        return any(t.has_limits for t in self.tenants.values())
+
+
+def load_app_config(args: dict[str, Any] | None) -> AppConfig:
+    """Validate app keys; ValueError naming each bad key (pydantic's own message)."""
+    try:
+        return AppConfig.model_validate(dict(args or {}))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'args'}: {err['msg']}"
+            for err in e.errors(include_url=False)
+        )
+        raise ValueError(f"invalid kvray app config: {problems}") from None
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,102 @@
+"""`kvray serve [MODEL] --tensor-parallel-size 2 --max-replicas 4 ...`: the Serve app of
+serve_app.py, with the same keys spelled as flags (vLLM's spelling), run in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import typing
+from typing import Any
+
+from pydantic.fields import FieldInfo
+
+from cluster.app_config import ENGINE_KEYS, AppConfig, load_app_config
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _help(info: FieldInfo) -> str:
+    default = info.get_default(call_default_factory=True)
+    shown = json.dumps(default) if isinstance(default, dict) else default
+    text = (info.description or "").replace("%", "%%")
+    return f"{text} (default: {shown})".strip()
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool or (
+        typing.get_origin(annotation) is not None
+        and set(typing.get_args(annotation)) == {bool, type(None)}
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvray", description="kvray: LLM serving on Ray Serve")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (default: the bundled SmolLM2) with Ray Serve. Dict-valued "
+        "keys (--api-keys, --tenants) take JSON.",
+        argument_default=argparse.SUPPRESS,
+    )
+    serve.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
+    groups = {
+        True: serve.add_argument_group("engine (vLLM's engine arguments)"),
+        False: serve.add_argument_group("serving (replicas, queues, tenants, safety)"),
+    }
+    fields = sorted(AppConfig.model_fields.items(), key=lambda item: item[0] not in ENGINE_KEYS)
+    for name, info in fields:
+        group = groups[name in ENGINE_KEYS]
+        if _is_bool(info.annotation):
+            group.add_argument(
+                _flag(name), dest=name, action=argparse.BooleanOptionalAction, help=_help(info)
+            )
+        else:
+            group.add_argument(_flag(name), dest=name, metavar="VALUE", help=_help(info))
+    run = serve.add_argument_group("this command")
+    run.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
+    run.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    run.add_argument("--name", default="kvray", help="Serve application name (default: kvray)")
+    run.add_argument(
+        "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, or start one)"
+    )
+    parser.set_defaults(serve_parser=serve)
+    return parser
+
+
+def parse_serve_args(argv: list[str]) -> tuple[AppConfig, argparse.Namespace]:
+    """Parse `serve ...` flags into a validated AppConfig (exits with the error naming a key)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    keys = {k: v for k, v in vars(args).items() if k in AppConfig.model_fields}
+    if getattr(args, "model_path", None) is not None:
+        keys["model"] = args.model_path
+    try:
+        return load_app_config(keys), args
+    except ValueError as e:
+        args.serve_parser.error(str(e))
+        raise  # error() exits; this keeps type checkers informed
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_serve_args(sys.argv[1:] if argv is None else argv)
+
+    import ray
+    from ray import serve
+
+    from cluster.deployments import build_openai_app
+
+    ray.init(address=args.address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    try:
+        serve.run(build_openai_app(config), name=args.name, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Ray Serve deployments: `OpenAIIngress` (HTTP) -> `LLMServer` (one engine per replica).
+
+The ingress owns everything about HTTP: body size, API keys, tenants and their limits,
+request validation, turning the server's replies into responses. The server owns the
+engine: tokenization and chat templates run next to it (they need its tokenizer and
+max_model_len), and it streams ready-made SSE text back.
+
+What travels from server to ingress, per request: the first item is an `APIError`, a
+response body (dict) or the first SSE text; a stream then continues with SSE text and
+ends with its `UsageInfo` (for per-tenant token accounting, never sent to the client).
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the route signatures of the
+# class Serve rebuilds, and string annotations do not resolve there.
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.exceptions import TaskCancelledError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.app_config import AppConfig
+from cluster.tenants import TenantLimiter, TenantResolver
+from engine.api.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    UsageInfo,
+    validation_error,
+)
+from engine.api.serving import OpenAIServing, RequestContext, SSEStream
+
+logger = logging.getLogger("ray.serve")
+
+_REQUEST_TYPES = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+
+
+def make_engine(config: AppConfig) -> Any:
+    """The one place a replica builds its engine.
+
+    Today the engine runs in the replica's process; a tensor/pipeline-parallel executor
+    plugs in here, placing its workers in the replica's placement group.
+    """
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine.from_engine_args(**config.engine_args())
+
+
+@serve.deployment(name="LLMServer")
+class LLMServer:
+    def __init__(self, config: AppConfig) -> None:
+        self.engine = make_engine(config)
+        self.serving = OpenAIServing(self.engine)
+
+    async def generate(self, kind: str, request: Any, ctx: RequestContext):
+        try:
+            if kind == "chat":
+                result = await self.serving.create_chat_completion(request, ctx)
+            else:
+                result = await self.serving.create_completion(request, ctx)
+        except APIError as e:
+            yield e
+            return
+        if not isinstance(result, SSEStream):
+            yield result.model_dump(mode="json")
+            return
+        async for text in result.events:
+            yield text
+        yield result.usage
+
+    def models(self) -> dict:
+        return self.serving.models().model_dump(mode="json")
+
+    async def stats(self) -> dict:
+        return await self.engine.stats()
+
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy
+
+    def check_health(self) -> None:
+        if not self.engine.is_healthy:
+            raise RuntimeError("the engine loop is not running")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=5)
+
+
+@serve.deployment(name="TenantLimiter", num_replicas=1, max_ongoing_requests=100_000)
+class TenantLimiterDeployment(TenantLimiter):
+    pass
+
+
+app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(
+        e.to_response().model_dump(mode="json"), status_code=e.status_code, headers=e.headers()
+    )
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    code = "not_found" if exc.status_code == 404 else None
+    return error_response(
+        APIError(f"{message}: {request.method} {request.url.path}", exc.status_code, code=code)
+    )
+
+
+@app.exception_handler(RequestValidationError)
+async def _route_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(APIError(f"invalid request: {exc.errors()}"))
+
+
+@app.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, TaskCancelledError):
+        # The client disconnected: nobody reads this response.
+        return error_response(APIError("the client disconnected", 499))
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(APIError(f"internal error: {type(exc).__name__}", 500))
+
+
+# `serve.ingress` pickles the class when it decorates it: every global the class uses must
+# be defined above it.
+def _cancel(replies: Any) -> None:
+    """Best-effort cancel of a server call (frees the engine's request if still running)."""
+    try:
+        replies.cancel()
+    except Exception:
+        pass
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(
+        self,
+        server: DeploymentHandle,
+        config: AppConfig,
+        limiter: DeploymentHandle | None = None,
+    ) -> None:
+        self.server = server
+        # .options() starts the handle's router now, so it knows the replicas before the
+        # first burst arrives (a cold router queues everything and trips max_queued_requests).
+        self.server_stream = server.options(stream=True)
+        self.config = config
+        self.limiter = limiter
+        self.resolver = TenantResolver(config.api_keys, config.tenants)
+        self._models: dict | None = None
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            healthy = await asyncio.wait_for(self.server.is_healthy.remote(), timeout=10)
+        except Exception:
+            healthy = False
+        return Response(status_code=200 if healthy else 503)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self.resolver.resolve(request.headers)
+        except APIError as e:
+            return error_response(e)
+        if self._models is None:
+            self._models = await self.server.models.remote()
+        return JSONResponse(self._models)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        received = time.time()
+        lease = None
+        try:
+            tenant = self.resolver.resolve(request.headers)
+            body = await self._read_body(request)
+            try:
+                parsed = _REQUEST_TYPES[kind].model_validate_json(body)
+            except ValidationError as e:
+                raise validation_error(e) from None
+            lease = await self._acquire(tenant.name)
+            timeout = tenant.config.request_timeout_s or self.config.request_timeout_s
+            ctx = RequestContext(
+                priority=tenant.config.priority,
+                cache_salt=tenant.cache_salt,
+                deadline=None if timeout is None else received + timeout,
+            )
+            return await self._call_server(kind, parsed, ctx, lease)
+        except APIError as e:
+            self._release(lease, 0)
+            return error_response(e)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_request_body_bytes
+        too_large = APIError(f"request body is larger than {limit} bytes", 413)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
+    async def _acquire(self, tenant: str) -> str | None:
+        if self.limiter is None or not self.config.tenant(tenant).has_limits:
+            return None
+        admission = await self.limiter.acquire.remote(tenant)
+        if admission.lease_id is None:
+            raise APIError(
+                admission.reason,
+                429,
+                code="rate_limit_exceeded",
+                retry_after_s=admission.retry_after_s,
+            )
+        return admission.lease_id
+
+    def _release(self, lease: str | None, tokens: int) -> None:
+        if lease is not None:
+            # Not awaited: the request is sent at .remote(), and a release must not hold
+            # up (or be lost with) a response whose client has gone.
+            self.limiter.release.remote(lease, tokens)
+
+    async def _call_server(
+        self, kind: str, parsed: Any, ctx: RequestContext, lease: str | None
+    ) -> Response:
+        replies = self.server_stream.generate.remote(kind, parsed, ctx)
+        try:
+            remaining = None if ctx.deadline is None else max(0.0, ctx.deadline - time.time())
+            async with asyncio.timeout(remaining):
+                first = await replies.__anext__()
+        except BackPressureError:
+            # Never assigned to a replica: nothing to cancel (cancel() would raise it again).
+            raise APIError(
+                "the server is at capacity (max_queued_requests): retry shortly",
+                429,
+                code="server_overloaded",
+                retry_after_s=1,
+            ) from None
+        except TimeoutError:
+            _cancel(replies)
+            raise APIError(
+                "the request waited past its time limit (request_timeout_s) and was aborted",
+                408,
+                code="request_timeout",
+            ) from None
+        except BaseException:
+            # The client went away (cancellation) or the server failed: abort downstream.
+            _cancel(replies)
+            raise
+        if isinstance(first, APIError):
+            _cancel(replies)
+            raise first
+        if isinstance(first, dict):
+            _cancel(replies)
+            self._release(lease, first.get("usage", {}).get("total_tokens", 0))
+            return JSONResponse(first)
+        return StreamingResponse(
+            self._stream(first, replies, lease), media_type="text/event-stream"
+        )
+
+    async def _stream(self, first: str, replies: Any, lease: str | None):
+        usage = None
+        done = False
+        try:
+            yield first
+            async for item in replies:
+                if isinstance(item, UsageInfo):
+                    usage = item
+                else:
+                    yield item
+            done = True
+        finally:
+            if not done:
+                _cancel(replies)
+            self._release(lease, usage.total_tokens if usage is not None else 0)
+
+
+def build_openai_app(config: AppConfig) -> Any:
+    """The Serve application: ingress -> LLMServer (+ TenantLimiter when tenants have limits)."""
+    config = config.with_resolved_device()
+    server = LLMServer.options(**llm_server_options(config)).bind(config)
+    limiter = None
+    if config.has_tenant_limits:
+        ttl = None if config.request_timeout_s is None else config.request_timeout_s + 60
+        limiter = TenantLimiterDeployment.options(ray_actor_options={"num_cpus": 0}).bind(
+            config.tenants, ttl
+        )
+    ingress = OpenAIIngress.options(
+        autoscaling_config={
+            "min_replicas": config.ingress_min_replicas,
+            "max_replicas": config.ingress_max_replicas,
+            "target_ongoing_requests": config.ingress_target_ongoing_requests,
+        },
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+    )
+    return ingress.bind(server, config, limiter)
+
+
+def llm_server_options(config: AppConfig) -> dict[str, Any]:
+    """Deployment options of `LLMServer`: autoscaling, queue bounds and placement.
+
+    One placement-group bundle per rank (tensor_parallel_size x pipeline_parallel_size);
+    the replica itself runs in bundle 0. Ray's fractional CPUs let several CPU replicas
+    share a small machine.
+    """
+    cuda = config.device == "cuda"
+    world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+    num_cpus = config.num_cpus if config.num_cpus is not None else (1.0 if cuda else 0.25)
+    bundle = {"CPU": num_cpus, "GPU": 1.0} if cuda else {"CPU": num_cpus}
+    max_ongoing = config.resolved_max_ongoing_requests()
+    autoscaling: dict[str, Any] = {
+        "min_replicas": config.min_replicas,
+        "max_replicas": config.max_replicas,
+        "target_ongoing_requests": config.target_ongoing_requests or max(1.0, max_ongoing / 2),
+        "upscale_delay_s": config.upscale_delay_s,
+        "downscale_delay_s": config.downscale_delay_s,
+        "look_back_period_s": config.look_back_period_s,
+    }
+    if config.initial_replicas is not None:
+        autoscaling["initial_replicas"] = config.initial_replicas
+    if config.metrics_interval_s is not None:
+        autoscaling["metrics_interval_s"] = config.metrics_interval_s
+    max_queued = config.max_queued_requests
+    return {
+        "autoscaling_config": autoscaling,
+        "max_ongoing_requests": max_ongoing,
+        "max_queued_requests": 4 * max_ongoing if max_queued is None else max_queued,
+        "ray_actor_options": {
+            "num_cpus": num_cpus,
+            # With one rank the engine runs in the replica and needs the GPU itself.
+            "num_gpus": 1.0 if cuda and world_size == 1 else 0.0,
+        },
+        "placement_group_bundles": [bundle] * world_size,
+        "placement_group_strategy": "STRICT_PACK" if config.pipeline_parallel_size == 1 else "PACK",
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 30,
+    }

@@ -1,0 +1,89 @@
+"""A validated request body -> what the engine takes (prompt token ids, SamplingParams).
+
+Every rejection is a 400 naming the request's own field (max_completion_tokens, not the
+engine's max_tokens), checked before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+from engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from engine.sampling_params import SamplingParams
+
+
+def check_prompt(ids: list[int], max_model_len: int, param: str) -> list[int]:
+    # The engine checks this too; here the message names the request's field.
+    if not ids:
+        raise APIError(f"{param} is empty", param=param)
+    if len(ids) >= max_model_len:
+        raise APIError(
+            f"{param} is {len(ids)} tokens long; this model's max_model_len is "
+            f"{max_model_len} tokens (prompt and output together)",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return ids
+
+
+def to_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    prompt_len: int,
+    max_model_len: int,
+    max_tokens: int | None,
+    max_tokens_field: str,
+    logprobs: int | None,
+) -> SamplingParams:
+    """`max_tokens=None` means "up to max_model_len"; OpenAI's unset fields keep the
+    engine's defaults."""
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens < 1:
+        raise APIError(f"{max_tokens_field} must be >= 1, got {max_tokens}", param=max_tokens_field)
+    elif max_tokens > room:
+        raise APIError(
+            f"{max_tokens_field}={max_tokens} is too large: the prompt has {prompt_len} "
+            f"tokens and max_model_len is {max_model_len}, so at most {room} "
+            f"tokens can be generated",
+            param=max_tokens_field,
+            code="context_length_exceeded",
+        )
+    optional = {
+        "n": request.n,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "seed": request.seed,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            **{k: v for k, v in optional.items() if v is not None},
+        )
+    except ValueError as e:
+        # SamplingParams names the field first: "temperature must be >= 0, got -1".
+        raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as a chat template takes them ("developer" is OpenAI's new "system")."""
+    messages = []
+    for m in request.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    return messages

@@ -1,0 +1,276 @@
+"""OpenAI's HTTP protocol as pydantic models: requests are validated strictly (wrong types,
+unknown fields and out-of-range values are 400s naming the field), responses are built
+from these models so every front end serializes the same shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.sampling_params import MAX_LOGPROBS
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error with its HTTP status, rendered as OpenAI's error body."""
+
+    _TYPES = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        408: "TimeoutError",
+        413: "BadRequestError",
+        429: "RateLimitError",
+        503: "ServiceUnavailableError",
+    }
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple:
+        # Crosses process boundaries (Serve replicas) with its status intact.
+        return (
+            APIError,
+            (self.message, self.status_code, self.param, self.code, self.retry_after_s),
+        )
+
+    def to_response(self) -> ErrorResponse:
+        err_type = self._TYPES.get(self.status_code, "InternalServerError")
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=err_type, param=self.param, code=self.code)
+        )
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """400 for the first problem pydantic found, naming the field (`messages[0].role`)."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {first['msg']}")
+    loc = tuple(first["loc"])
+    msg = first["msg"]
+    # A union reports one error per member, each with the member's type appended to loc.
+    if loc and _is_union_tag(loc[-1]):
+        loc = loc[:-1]
+        branches = [err for err in errors if tuple(err["loc"])[:-1] == loc]
+        msg = " or ".join(dict.fromkeys(err["msg"] for err in branches))
+    param = _format_loc(loc)
+    if first["type"] == "missing":
+        return APIError(f"{param} is required", param=param)
+    if first["type"] == "extra_forbidden":
+        return APIError(f"{param} is not a supported field", param=param)
+    return APIError(f"{param}: {msg}", param=param)
+
+
+def _is_union_tag(part: object) -> bool:
+    # Field names are snake_case; member tags are types: "str", "list[int]", "TextContentPart".
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()
+    )
+
+
+def _format_loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share: OpenAI's, then vLLM's extensions."""
+
+    model: str | None = None
+    """None: the only model served."""
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int | None = None
+    """Scheduling priority (lower runs first); never more urgent than the tenant's own."""
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: dict[str, Any]
+    """{"role": "assistant", "content": ""} first, then {"content": ...}, then {} with the finish reason."""
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvray"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

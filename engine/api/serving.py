@@ -1,0 +1,299 @@
+"""OpenAI endpoints over an `AsyncEngine`, independent of the web framework.
+
+`create_completion` / `create_chat_completion` return a response model, or for
+`stream=True` an `SSEStream` of ready-to-send SSE text. Anything wrong before the first
+byte raises `APIError` (status + OpenAI error body), so a front end maps it to one HTTP
+response; problems after streaming began arrive as an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.api.inputs import chat_messages, check_prompt, to_sampling_params
+from engine.api.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
+from engine.api.render import (
+    DONE,
+    DeltaTracker,
+    TokenText,
+    chat_response,
+    completion_response,
+    sse_error,
+    usage_of,
+)
+from engine.async_engine import EngineDeadError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template
+
+
+@dataclass
+class RequestContext:
+    """What the front end decided about a request before it reached the engine."""
+
+    request_id: str | None = None
+    priority: int = 0
+    """The tenant's priority: a request may ask for a larger (later) value, never smaller."""
+    cache_salt: str | None = None
+    """Prefix-cache salt: requests only share cached blocks with the same salt."""
+    deadline: float | None = None
+    """Wall-clock time (time.time()) after which the request is aborted with a 408."""
+
+
+@dataclass
+class SSEStream:
+    events: AsyncIterator[str] = field(init=False)
+    usage: UsageInfo = field(default_factory=UsageInfo)
+    """Filled in when the stream ends (for per-tenant token accounting)."""
+
+
+class OpenAIServing:
+    def __init__(self, engine: Any, served_model_name: str | None = None) -> None:
+        self.engine = engine
+        self.model_name = served_model_name or engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.token_text = TokenText(self.tokenizer)
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+    async def create_completion(
+        self, request: CompletionRequest, ctx: RequestContext | None = None
+    ) -> CompletionResponse | SSEStream:
+        self._check_model(request.model)
+        if request.echo:
+            raise APIError("echo is not supported", param="echo")
+        if request.best_of not in (None, request.n):
+            raise APIError(f"best_of must equal n ({request.n})", param="best_of")
+        prompts = [
+            check_prompt(ids, self.max_model_len, "prompt") for ids in self._encode_prompts(request)
+        ]
+        # OpenAI's default of 16 yields to a long prompt; an explicit max_tokens does not.
+        explicit = "max_tokens" in request.model_fields_set
+        params = [
+            to_sampling_params(
+                request,
+                len(ids),
+                self.max_model_len,
+                request.max_tokens if explicit else min(16, self.max_model_len - len(ids)),
+                "max_tokens",
+                request.logprobs,
+            )
+            for ids in prompts
+        ]
+        return await self._run(request, prompts, params, ctx or RequestContext(), chat=False)
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, ctx: RequestContext | None = None
+    ) -> ChatCompletionResponse | SSEStream:
+        self._check_model(request.model)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        ids = check_prompt(self._apply_chat_template(request), self.max_model_len, "messages")
+        if request.max_completion_tokens is not None:
+            max_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
+        else:
+            max_field, max_tokens = "max_tokens", request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = to_sampling_params(
+            request, len(ids), self.max_model_len, max_tokens, max_field, logprobs
+        )
+        return await self._run(request, [ids], [params], ctx or RequestContext(), chat=True)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def _encode_prompts(self, request: CompletionRequest) -> list[list[int]]:
+        prompt = request.prompt
+        if self.tokenizer is None and (isinstance(prompt, str) or isinstance(prompt[0], str)):
+            raise APIError(
+                "this model has no tokenizer: send the prompt as token ids", param="prompt"
+            )
+        if isinstance(prompt, str):
+            return [self.engine.encode(prompt)]
+        if not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], str):
+            return [self.engine.encode(p) for p in prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [list(p) for p in prompt]
+
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer, so no chat template", param="messages")
+        try:
+            return apply_chat_template(
+                self.tokenizer, chat_messages(request), request.add_generation_prompt
+            )
+        except Exception as e:
+            raise APIError(f"messages: {e}", param="messages") from None
+
+    async def _run(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        ctx: RequestContext,
+        chat: bool,
+    ) -> CompletionResponse | ChatCompletionResponse | SSEStream:
+        response_id = ctx.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        priority = ctx.priority if request.priority is None else max(ctx.priority, request.priority)
+        gens = [
+            self.engine.generate(ids, sp, f"{response_id}-{i}", priority, ctx.cache_salt)
+            for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        deadline = _loop_deadline(ctx.deadline)
+        outputs = _merge(gens)
+        try:
+            first = await _next(outputs, deadline)
+        except BaseException:
+            await outputs.aclose()
+            raise
+        prompt_lens = [len(ids) for ids in prompts]
+        if request.stream:
+            return self._stream(request, outputs, first, deadline, response_id, prompt_lens, chat)
+        async with aclosing(outputs):
+            finals: dict[int, RequestOutput] = {}
+            item = first
+            while item is not None:
+                finals[item[0]] = item[1]
+                item = await _next(outputs, deadline)
+        final = [finals[i] for i in range(len(prompts))]
+        usage = usage_of(prompt_lens, final)
+        if chat:
+            return chat_response(
+                response_id, self.model_name, final[0], usage, self.token_text, request.logprobs
+            )
+        return completion_response(
+            response_id,
+            self.model_name,
+            final,
+            usage,
+            self.token_text,
+            request.logprobs is not None,
+        )
+
+    def _stream(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        first: tuple[int, RequestOutput],
+        deadline: float | None,
+        response_id: str,
+        prompt_lens: list[int],
+        chat: bool,
+    ) -> SSEStream:
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        tracker = DeltaTracker(
+            chat=chat,
+            response_id=response_id,
+            created=int(time.time()),
+            model=self.model_name,
+            include_usage=include_usage,
+            with_logprobs=request.logprobs if chat else request.logprobs is not None,
+            token_text=self.token_text,
+        )
+        result = SSEStream()
+
+        async def events() -> AsyncIterator[str]:
+            latest: dict[int, RequestOutput] = {}
+            async with aclosing(outputs):
+                item = first
+                try:
+                    while item is not None:
+                        i, output = item
+                        latest[i] = output
+                        text = tracker.chunks(output, index_base=i * request.n)
+                        if text:
+                            yield text
+                        item = await _next(outputs, deadline)
+                except APIError as e:
+                    yield sse_error(e.to_response().model_dump())
+                    yield DONE
+                    return
+            result.usage = usage_of(prompt_lens, list(latest.values()))
+            if include_usage:
+                yield tracker.usage_chunk(result.usage)
+            yield DONE
+
+        result.events = events()
+        return result
+
+
+def _loop_deadline(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + (deadline - time.time())
+
+
+async def _next(outputs: AsyncIterator, deadline: float | None) -> Any:
+    """The next item, None at the end; engine errors become APIErrors."""
+    try:
+        if deadline is None:
+            return await anext(outputs)
+        async with asyncio.timeout_at(deadline):
+            return await anext(outputs)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        raise APIError(
+            "the request ran past its time limit (request_timeout_s) and was aborted",
+            408,
+            code="request_timeout",
+        ) from None
+    except EngineDeadError as e:
+        raise APIError(f"the engine is not running: {e}", 503, code="engine_dead") from None
+    except ValueError as e:
+        raise APIError(str(e)) from None
+
+
+async def _merge(
+    gens: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several engine streams as they come."""
+    if len(gens) == 1:
+        async with aclosing(gens[0]) as gen:
+            async for output in gen:
+                yield 0, output
+        return
+    pending = {asyncio.ensure_future(anext(gen)): i for i, gen in enumerate(gens)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(gens[i]))] = i
+                yield i, output
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for gen in gens:
+            await gen.aclose()

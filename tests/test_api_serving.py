@@ -1,0 +1,306 @@
+"""OpenAIServing over a scripted engine: response and SSE shapes, logprobs, usage, limits.
+
+The scripted engine honours AsyncEngine's API and emits a known token sequence, so these
+tests pin the OpenAI formats exactly and run in milliseconds (the real engine is covered
+end to end in test_serve_openai.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from engine.api.serving import OpenAIServing, RequestContext, SSEStream
+from engine.async_engine import EngineDeadError
+from engine.bundled import bundled_model_path
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.tokenizer import load_tokenizer
+
+MAX_MODEL_LEN = 64
+ANSWER = " one two three four five six seven eight nine ten"
+
+
+class ScriptedEngine:
+    """Generates ANSWER's tokens one step at a time (sample i shifted by i tokens)."""
+
+    model_name = "scripted"
+    max_model_len = MAX_MODEL_LEN
+
+    def __init__(self, tokenizer, step_delay_s: float = 0.0, fail: BaseException | None = None):
+        self.tokenizer = tokenizer
+        self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+        self.step_delay_s = step_delay_s
+        self.fail = fail
+        self.calls: list[dict] = []
+        self.closed: list[str] = []
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None):
+        self.calls.append(
+            dict(prompt=prompt, params=sampling_params, priority=priority, cache_salt=cache_salt)
+        )
+        finished = False
+        try:
+            if self.fail is not None:
+                raise self.fail
+            n_tokens = sampling_params.max_tokens
+            for step in range(1, n_tokens + 1):
+                await asyncio.sleep(self.step_delay_s)
+                finished = step == n_tokens
+                outputs = [
+                    self._sample(i, step, sampling_params.logprobs, finished)
+                    for i in range(sampling_params.n)
+                ]
+                yield RequestOutput(request_id, None, list(prompt), outputs, finished)
+        finally:
+            if not finished:
+                self.closed.append(request_id)
+
+    def _sample(self, index: int, step: int, logprobs: int | None, finished: bool):
+        ids = (self.answer_ids * 3)[index : index + step]
+        entries = None
+        if logprobs is not None:
+            entries = [
+                TokenLogprobs(
+                    t, -0.5, 1, {t: -0.5, **{t + k: -1.0 - k for k in range(1, logprobs)}}
+                )
+                for t in ids
+            ]
+        return CompletionOutput(
+            index,
+            self.tokenizer.decode(ids),
+            ids,
+            finish_reason="length" if finished else None,
+            logprobs=entries,
+        )
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(bundled_model_path())
+
+
+def _serving(tokenizer, **kw) -> tuple[OpenAIServing, ScriptedEngine]:
+    engine = ScriptedEngine(tokenizer, **kw)
+    return OpenAIServing(engine), engine
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "Count"}], **fields}
+    return ChatCompletionRequest.model_validate_json(json.dumps(body))
+
+
+def _completion(**fields) -> CompletionRequest:
+    body = {"model": "scripted", "prompt": "Count:", **fields}
+    return CompletionRequest.model_validate_json(json.dumps(body))
+
+
+def _stream(create, request, ctx=None) -> list[dict | str]:
+    async def run():
+        return await _events(await create(request, ctx))
+
+    return asyncio.run(run())
+
+
+async def _events(stream: SSEStream) -> list[dict | str]:
+    out = []
+    async for text in stream.events:
+        for event in text.split("\n\n"):
+            if not event:
+                continue
+            assert event.startswith("data: ")
+            payload = event.removeprefix("data: ")
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_chat_stream_follows_openai_chunk_format(tokenizer):
+    serving, _ = _serving(tokenizer)
+
+    async def run():
+        full = await serving.create_chat_completion(_chat(max_tokens=5))
+        stream = await serving.create_chat_completion(
+            _chat(max_tokens=5, stream=True, stream_options={"include_usage": True})
+        )
+        return full, await _events(stream), stream.usage
+
+    full, events, usage = asyncio.run(run())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(
+        c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks
+    )
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["delta"] == {}
+    assert finals[0]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert (
+        text
+        == full.choices[0].message.content
+        == tokenizer.decode(tokenizer.encode(ANSWER, add_special_tokens=False)[:5])
+    )
+    # include_usage: every chunk carries "usage": null, the last one the counts and no choices.
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == full.usage.model_dump() == usage.model_dump()
+    assert full.usage.completion_tokens == 5
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 5
+
+
+def test_stream_without_include_usage_has_no_usage_field(tokenizer):
+    serving, _ = _serving(tokenizer)
+    events = _stream(serving.create_completion, _completion(max_tokens=3, stream=True))
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in c for c in events[:-1])
+    assert "".join(c["choices"][0]["text"] for c in events[:-1]) != ""
+
+
+def test_completion_logprobs_shape_and_offsets(tokenizer):
+    serving, _ = _serving(tokenizer)
+
+    async def run():
+        full = await serving.create_completion(_completion(max_tokens=4, logprobs=2))
+        stream = await serving.create_completion(_completion(max_tokens=4, logprobs=2, stream=True))
+        return full, await _events(stream)
+
+    full, events = asyncio.run(run())
+    lp = full.choices[0].logprobs
+    assert "".join(lp.tokens) == full.choices[0].text
+    assert lp.token_logprobs == [-0.5] * 4
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    streamed = [c["choices"][0]["logprobs"] for c in events[:-1] if c["choices"][0]["logprobs"]]
+    assert sum((s["tokens"] for s in streamed), []) == lp.tokens
+    assert sum((s["text_offset"] for s in streamed), []) == lp.text_offset
+
+
+def test_chat_logprobs_shape(tokenizer):
+    serving, engine = _serving(tokenizer)
+    full = asyncio.run(
+        serving.create_chat_completion(_chat(max_tokens=3, logprobs=True, top_logprobs=3))
+    )
+    assert engine.calls[0]["params"].logprobs == 3
+    content = full.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert entry.logprob == -0.5 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+    assert "".join(e.token for e in content) == full.choices[0].message.content
+
+    plain = asyncio.run(serving.create_chat_completion(_chat(max_tokens=3)))
+    assert plain.choices[0].logprobs is None and engine.calls[1]["params"].logprobs is None
+
+
+def test_n_and_several_prompts_number_the_choices(tokenizer):
+    serving, _ = _serving(tokenizer)
+    full = asyncio.run(
+        serving.create_completion(_completion(prompt=["a", "b c"], n=2, max_tokens=2))
+    )
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    assert full.choices[0].text != full.choices[1].text  # sample 1 is shifted by one token
+    assert full.usage.completion_tokens == 8
+
+    events = _stream(
+        serving.create_completion, _completion(prompt=["a", "b"], n=2, max_tokens=2, stream=True)
+    )
+    finished = {c["choices"][0]["index"] for c in events[:-1] if c["choices"][0]["finish_reason"]}
+    assert finished == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "param"),
+    [
+        ({"temperature": -1}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": -5}, 400, "max_tokens"),
+        ({"max_tokens": 10**9}, 400, "max_tokens"),
+        ({"prompt": "word " * 200}, 400, "prompt"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"model": "gpt-17"}, 404, "model"),
+        ({"echo": True}, 400, "echo"),
+        ({"seed": 2**70}, 400, "seed"),
+    ],
+)
+def test_completion_input_errors(tokenizer, fields, status, param):
+    serving, engine = _serving(tokenizer)
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_completion(_completion(**fields)))
+    assert info.value.status_code == status and info.value.param == param
+    assert param in info.value.message or "model" in info.value.message
+    assert engine.calls == []
+
+
+def test_chat_input_errors(tokenizer):
+    serving, _ = _serving(tokenizer)
+    cases = [
+        (_chat(max_completion_tokens=0), "max_completion_tokens"),
+        (_chat(max_tokens=MAX_MODEL_LEN), "max_tokens"),
+        (_chat(top_logprobs=2), "top_logprobs"),
+        (_chat(messages=[{"role": "user", "content": "long " * 100}]), "messages"),
+    ]
+    for request, param in cases:
+        with pytest.raises(APIError) as info:
+            asyncio.run(serving.create_chat_completion(request))
+        assert info.value.status_code == 400 and info.value.param == param, info.value.message
+
+
+def test_max_tokens_defaults_fit_the_context(tokenizer):
+    serving, engine = _serving(tokenizer)
+    prompt = "word " * 55  # 55 tokens: OpenAI's default of 16 would overflow 64
+    asyncio.run(serving.create_completion(_completion(prompt=prompt)))
+    n_prompt = len(engine.calls[0]["prompt"])
+    assert engine.calls[0]["params"].max_tokens == MAX_MODEL_LEN - n_prompt < 16
+    asyncio.run(serving.create_chat_completion(_chat(max_tokens=None)))
+    n_prompt = len(engine.calls[1]["prompt"])
+    assert engine.calls[1]["params"].max_tokens == MAX_MODEL_LEN - n_prompt
+
+
+def test_priority_never_beats_the_tenant_and_salt_passes_through(tokenizer):
+    serving, engine = _serving(tokenizer)
+    ctx = RequestContext(priority=5, cache_salt="tenant-a")
+    asyncio.run(serving.create_chat_completion(_chat(max_tokens=1, priority=1), ctx))
+    asyncio.run(serving.create_chat_completion(_chat(max_tokens=1, priority=9), ctx))
+    asyncio.run(serving.create_chat_completion(_chat(max_tokens=1), ctx))
+    assert [c["priority"] for c in engine.calls] == [5, 9, 5]
+    assert {c["cache_salt"] for c in engine.calls} == {"tenant-a"}
+
+
+def test_deadline_aborts_a_slow_request(tokenizer):
+    import time
+
+    serving, engine = _serving(tokenizer, step_delay_s=0.05)
+    ctx = RequestContext(deadline=time.time() + 0.3)
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_completion(_completion(max_tokens=40), ctx))
+    assert info.value.status_code == 408
+    assert len(engine.closed) == 1
+
+    events = _stream(
+        serving.create_completion,
+        _completion(max_tokens=40, stream=True),
+        RequestContext(deadline=time.time() + 0.3),
+    )
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
+    assert len(engine.closed) == 2
+
+
+def test_dead_engine_is_a_503(tokenizer):
+    serving, _ = _serving(tokenizer, fail=EngineDeadError("device lost"))
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_chat_completion(_chat(max_tokens=2)))
+    assert info.value.status_code == 503
+
+
+def test_models_lists_the_served_model(tokenizer):
+    serving, _ = _serving(tokenizer)
+    models = serving.models().model_dump()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["scripted"]

@@ -1,0 +1,163 @@
+"""AsyncEngine: the core loop thread, per-request streams, abort, and failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncEngine.from_engine_args(max_model_len=256, max_num_seqs=8)
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(eng: AsyncEngine, prompt, request_id: str, params=GREEDY) -> list[RequestOutput]:
+    return [out async for out in eng.generate(prompt, params, request_id)]
+
+
+async def _wait_idle(eng: AsyncEngine, timeout: float = 2.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await eng.stats()
+        if stats["num_running"] + stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def test_stream_is_cumulative_and_ends_finished(engine):
+    outputs = asyncio.run(_collect(engine, PROMPTS[0], "cumulative"))
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    final = outputs[-1].outputs[0]
+    assert len(final.token_ids) == 8 and final.finish_reason == "length"
+    for earlier in outputs[:-1]:
+        ids = earlier.outputs[0].token_ids
+        assert final.token_ids[: len(ids)] == ids
+
+
+def test_concurrent_requests_match_one_at_a_time(engine):
+    async def run():
+        alone = [await _collect(engine, p, f"alone-{i}") for i, p in enumerate(PROMPTS)]
+        together = await asyncio.gather(
+            *(_collect(engine, p, f"together-{i}") for i, p in enumerate(PROMPTS))
+        )
+        return alone, together
+
+    alone, together = asyncio.run(run())
+    for a, t in zip(alone, together, strict=True):
+        assert t[-1].outputs[0].token_ids == a[-1].outputs[0].token_ids
+        assert t[-1].outputs[0].text == a[-1].outputs[0].text
+
+
+def test_leaving_the_stream_aborts_and_frees_kv(engine):
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        async for out in engine.generate(PROMPTS[1], params, "leaver"):
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        return await _wait_idle(engine)
+
+    stats = asyncio.run(run())
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_cache_usage"] == 0
+
+
+def test_cancelled_consumer_aborts_the_request(engine):
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        task = asyncio.ensure_future(_collect(engine, PROMPTS[2], "cancelled", params))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await _wait_idle(engine)
+
+    stats = asyncio.run(run())
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0
+
+
+def test_abort_ends_the_stream(engine):
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        seen = []
+        async for out in engine.generate(PROMPTS[3], params, "aborted"):
+            seen.append(out)
+            if len(seen) == 2:
+                engine.abort("aborted")
+        return seen, await _wait_idle(engine)
+
+    seen, stats = asyncio.run(run())
+    assert len(seen[-1].outputs[0].token_ids) < 200
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0
+
+
+def test_bad_input_raises_from_generate_and_the_loop_keeps_serving(engine):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _collect(engine, list(range(300)), "too-long")
+        with pytest.raises(ValueError, match="empty"):
+            await _collect(engine, [], "empty")
+        return await _collect(engine, PROMPTS[0], "after-errors")
+
+    outputs = asyncio.run(run())
+    assert outputs[-1].finished
+    assert engine.is_healthy
+
+
+def test_idle_loop_does_not_step(engine):
+    before = engine.num_steps
+    time.sleep(0.3)
+    assert engine.num_steps == before
+    assert engine.is_healthy
+
+
+class _FailingEngine:
+    """Honours the LLMEngine API; step() raises on its third call."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, sampling_params, priority=0, cache_salt=None):
+        self.requests[request_id] = 0
+
+    def abort_request(self, request_ids) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("device lost")
+        return [
+            RequestOutput(rid, None, [1], [CompletionOutput(0, "x", [7])], finished=False)
+            for rid in self.requests
+        ]
+
+
+def test_step_failure_fails_in_flight_requests_and_health():
+    eng = AsyncEngine(_FailingEngine())
+
+    async def run():
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await _collect(eng, [1, 2], "in-flight")
+        with pytest.raises(EngineDeadError):
+            await _collect(eng, [1, 2], "after-death")
+
+    asyncio.run(asyncio.wait_for(run(), timeout=5))
+    assert not eng.is_healthy

@@ -1,0 +1,105 @@
+"""bench/serve.py against a scripted OpenAI-style SSE server with known timings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+
+import pytest
+from aiohttp import web
+
+from bench import serve as bench
+
+TOKENS = 5
+FIRST_DELAY_S = 0.05
+GAP_S = 0.02
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    if body["max_tokens"] > 100:
+        return web.json_response({"error": {"message": "too long"}}, status=400)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await asyncio.sleep(FIRST_DELAY_S)
+    for i in range(TOKENS):
+        if i:
+            await asyncio.sleep(GAP_S)
+        chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": TOKENS, "total_tokens": 0}
+    await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "scripted"}]})
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+
+
+def test_latency_metrics_match_the_server_timing(base_url, tmp_path):
+    out = tmp_path / "result.json"
+    summary = bench.main(
+        [
+            "--base-url", base_url, "--num-prompts", "8", "--max-concurrency", "4",
+            "--random-input-len", "12", "--random-output-len", "5", "--seed", "3",
+            "--goodput", "ttft:1000", "tpot:1000", "--result-file", str(out),
+        ]
+    )  # fmt: skip
+    assert summary["model"] == "scripted"
+    assert summary["completed"] == 8 and summary["failed"] == 0
+    assert summary["total_input_tokens"] == 8 * 12
+    assert summary["total_output_tokens"] == 8 * TOKENS
+    assert FIRST_DELAY_S * 1000 <= summary["p50_ttft_ms"] < FIRST_DELAY_S * 1000 + 100
+    assert GAP_S * 1000 <= summary["p50_itl_ms"] < GAP_S * 1000 + 50
+    assert GAP_S * 1000 <= summary["mean_tpot_ms"] < GAP_S * 1000 + 50
+    assert summary["p99_e2el_ms"] >= summary["p50_e2el_ms"] >= summary["p50_ttft_ms"]
+    assert summary["goodput"] == summary["request_throughput"]
+    assert json.loads(out.read_text()) == summary
+
+
+def test_slo_misses_lower_goodput_and_failures_are_counted(base_url):
+    summary = bench.main(
+        [
+            "--base-url", base_url, "--num-prompts", "4", "--request-rate", "50",
+            "--random-input-len", "4", "--random-output-len", "200", "--random-range-ratio", "0.5",
+            "--goodput", "ttft:1",
+        ]
+    )  # fmt: skip
+    # Output lengths 100..300: the scripted server rejects those over 100.
+    assert summary["failed"] >= 1 and "too long" in summary["first_error"]
+    assert summary["goodput"] == 0
+
+
+def test_requests_are_deterministic_in_the_seed():
+    args = bench.build_parser().parse_args(
+        ["--num-prompts", "3", "--random-input-len", "6", "--seed", "7"]
+    )
+    assert bench.make_requests(args, None) == bench.make_requests(args, None)
+    other = bench.build_parser().parse_args(
+        ["--num-prompts", "3", "--random-input-len", "6", "--seed", "8"]
+    )
+    assert bench.make_requests(args, None) != bench.make_requests(other, None)
+    assert all(len(prompt) == 6 for prompt, _, _ in bench.make_requests(args, None))

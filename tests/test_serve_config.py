@@ -1,0 +1,182 @@
+"""App keys, the `kvray` command, deployment options and tenants: no Ray needed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.app_config import ENGINE_KEYS, AppConfig, TenantConfig, load_app_config
+from cluster.cli import build_parser, parse_serve_args
+from cluster.deployments import llm_server_options
+from cluster.tenants import TenantLimiter, TenantResolver
+from engine.api.protocol import APIError
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from serve_app import build_app
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ({"tensor_parallel": 2}, "tensor_parallel"),
+        ({"max_replicas": 0}, "max_replicas"),
+        ({"min_replicas": 2}, "max_replicas"),
+        ({"min_replicas": 1, "max_replicas": 2, "initial_replicas": 3}, "initial_replicas"),
+        ({"block_size": "big"}, "block_size"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"tenants": {"a": {"priorty": 1}}}, "priorty"),
+        ({"api_keys": "{not json"}, "api_keys"),
+    ],
+)
+def test_a_bad_key_or_value_fails_at_build_naming_it(args, named):
+    with pytest.raises(ValueError, match=named):
+        build_app(args)
+
+
+def test_every_engine_argument_is_an_app_key():
+    engine_fields = set().union(
+        *(cls.model_fields for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig))
+    )
+    assert engine_fields | {"device", "enforce_eager"} == set(ENGINE_KEYS)
+    config = load_app_config({"max_model_len": "256", "enable_prefix_caching": "false"})
+    assert config.engine_args() == {
+        "max_model_len": 256,
+        "enable_prefix_caching": False,
+        "policy": "priority",
+    }
+
+
+def test_serve_config_yaml_args_validate():
+    spec = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    app = spec["applications"][0]
+    assert app["import_path"] == "serve_app:build_app"
+    config = load_app_config(app["args"])
+    assert config.tenants["team-b"].priority == 1
+
+
+def test_kvray_serve_help_lists_every_key_with_its_default(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    # After the usage line each flag has an entry (bools as "--x, --no-x") ending in its default.
+    options = re.sub(r", --no-[\w-]+", "", help_text.split("options:", 1)[1])
+    entries = {e.split(" ", 1)[0]: e for e in options.split(" --")}
+    for name in AppConfig.model_fields:
+        assert "(default: " in entries[name.replace("_", "-")], name
+    assert "--max-num-seqs VALUE (default: 256)" in help_text
+    assert "--request-timeout-s VALUE A request still running" in help_text
+
+
+def test_kvray_serve_flags_build_the_same_config():
+    config, args = parse_serve_args(
+        [
+            "serve", "/models/llama", "--tensor-parallel-size", "2", "--max-replicas", "4",
+            "--no-enable-prefix-caching", "--api-keys", '{"sk-1": "team"}', "--port", "9000",
+        ]
+    )  # fmt: skip
+    assert config == load_app_config(
+        {
+            "model": "/models/llama",
+            "tensor_parallel_size": 2,
+            "max_replicas": 4,
+            "enable_prefix_caching": False,
+            "api_keys": {"sk-1": "team"},
+        }
+    )
+    assert args.port == 9000
+
+
+def test_kvray_serve_rejects_a_bad_value_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        parse_serve_args(["serve", "--max-num-seqs", "-1"])
+    assert "max_num_seqs" in capsys.readouterr().err
+
+
+def test_placement_bundles_follow_the_parallel_config():
+    cpu = llm_server_options(
+        load_app_config({"device": "cpu", "tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    )
+    assert cpu["placement_group_bundles"] == [{"CPU": 0.25}] * 4
+    assert cpu["placement_group_strategy"] == "PACK"
+    assert cpu["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 0.0}
+
+    gpu = llm_server_options(load_app_config({"device": "cuda", "tensor_parallel_size": 2}))
+    assert gpu["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert gpu["placement_group_strategy"] == "STRICT_PACK"
+    assert gpu["ray_actor_options"]["num_gpus"] == 0.0  # the ranks own the GPUs
+
+    one = llm_server_options(load_app_config({"device": "cuda"}))
+    assert one["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}]
+    assert one["ray_actor_options"]["num_gpus"] == 1.0
+
+
+def test_autoscaling_defaults_scale_before_the_engine_is_full():
+    options = llm_server_options(
+        load_app_config({"device": "cpu", "max_num_seqs": 64, "max_replicas": 3})
+    )
+    auto = options["autoscaling_config"]
+    assert options["max_ongoing_requests"] == 64
+    assert auto["target_ongoing_requests"] == 32
+    assert (auto["min_replicas"], auto["max_replicas"]) == (1, 3)
+    assert options["max_queued_requests"] == 4 * 64
+    explicit = llm_server_options(
+        load_app_config({"device": "cpu", "target_ongoing_requests": 5, "max_queued_requests": 0})
+    )
+    assert explicit["autoscaling_config"]["target_ongoing_requests"] == 5
+    assert explicit["max_queued_requests"] == 0
+
+
+def test_tenant_from_api_key_or_header():
+    keyed = TenantResolver({"sk-a": "alice"}, {"alice": TenantConfig(priority=3)})
+    alice = keyed.resolve({"authorization": "Bearer sk-a", "x-tenant-id": "mallory"})
+    assert (alice.name, alice.config.priority, alice.cache_salt) == ("alice", 3, "alice")
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "sk-a"}):
+        with pytest.raises(APIError) as info:
+            keyed.resolve(headers)
+        assert info.value.status_code == 401
+
+    open_ = TenantResolver({}, {"bob": TenantConfig(cache_salt="shared")})
+    assert open_.resolve({"x-tenant-id": "bob"}).cache_salt == "shared"
+    assert open_.resolve({}).name == "default"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_limiter_concurrency_and_lease_expiry():
+    clock = _Clock()
+    limiter = TenantLimiter(
+        {"a": TenantConfig(max_concurrent_requests=2)}, lease_ttl_s=30, clock=clock
+    )
+    first, second = limiter.acquire("a"), limiter.acquire("a")
+    refused = limiter.acquire("a")
+    assert first.lease_id and second.lease_id and refused.lease_id is None
+    assert refused.retry_after_s > 0 and "'a'" in refused.reason
+    assert limiter.acquire("other").lease_id is not None  # no limits for unlisted tenants
+    limiter.release(first.lease_id)
+    assert limiter.acquire("a").lease_id is not None
+    clock.now += 31  # an ingress that died without releasing loses its leases
+    assert limiter.acquire("a").lease_id is not None
+
+
+def test_limiter_tokens_per_minute_window():
+    clock = _Clock()
+    limiter = TenantLimiter({"a": TenantConfig(tokens_per_minute=100)}, clock=clock)
+    limiter.release(limiter.acquire("a").lease_id, tokens=60)
+    clock.now += 20
+    limiter.release(limiter.acquire("a").lease_id, tokens=50)
+    refused = limiter.acquire("a")
+    assert refused.lease_id is None
+    # Under the limit again once the first 60 tokens leave the window, 40 s from now.
+    assert refused.retry_after_s == pytest.approx(40)
+    clock.now += 40
+    assert limiter.acquire("a").lease_id is not None

@@ -1,0 +1,74 @@
+"""Shared by the Serve test modules: one local Ray instance per test session, HTTP on a
+free port of 127.0.0.1, and helpers to run and inspect one app per module."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+_state: dict[str, Any] = {}
+
+
+def start_ray() -> str:
+    """Start Ray + Serve once per session; returns the HTTP base URL."""
+    if "url" in _state:
+        return _state["url"]
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Autoscaling metrics every 0.5 s instead of 10 s (read by the controller at start).
+    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, address="local", include_dashboard=False, object_store_memory=1 << 30)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    _state["url"] = f"http://127.0.0.1:{port}"
+    return _state["url"]
+
+
+def run_app(name: str, args: dict[str, Any]) -> str:
+    """Deploy `serve_app:build_app(args)` at /; returns the base URL."""
+    from ray import serve
+
+    from serve_app import build_app
+
+    url = start_ray()
+    serve.run(build_app(args), name=name, route_prefix="/")
+    return url
+
+
+def delete_app(name: str) -> None:
+    from ray import serve
+
+    serve.delete(name)
+
+
+def server_stats(app_name: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("LLMServer", app_name).stats.remote().result()
+
+
+def wait_until_idle(app_name: str, timeout_s: float) -> tuple[float, dict]:
+    """Poll the engine until nothing runs and no KV block is used; (seconds taken, stats)."""
+    start = time.monotonic()
+    while True:
+        stats = server_stats(app_name)
+        idle = stats["num_running"] + stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
+        elapsed = time.monotonic() - start
+        if idle or elapsed > timeout_s:
+            return elapsed, stats
+        time.sleep(0.05)
+
+
+def running_replicas(app_name: str, deployment: str = "LLMServer") -> int:
+    from ray import serve
+
+    status = serve.status().applications[app_name].deployments[deployment]
+    return status.replica_states.get("RUNNING", 0)
