@@ -1,0 +1,136 @@
+"""Shared pieces of the offline benchmarks: engine set-up, roofline, results on record."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).with_name("results.jsonl")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-shape", default=None, help="named shape with dummy weights")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf with real weights")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--baseline", choices=["hf"], default=None)
+    parser.add_argument("--record", action="store_true", help=f"append the result to {RESULTS}")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    if (args.model is None) == (args.model_shape is None):
+        raise SystemExit("give exactly one of --model-shape or --model")
+    kwargs = dict(
+        model=args.model or args.model_shape,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+    if args.model_shape:
+        kwargs["load_format"] = "dummy"
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+        kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    return kwargs
+
+
+def build_llm(args: argparse.Namespace):
+    from engine import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    if llm.engine.config.device == "cuda":
+        torch.cuda.synchronize()
+    return llm, time.perf_counter() - start
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, min(vocab_size, 100000), (num, length), generator=gen).tolist()
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth, bytes read plus written, median of 20 copies of 4 GiB."""
+    n = 1 << 31
+    src = torch.empty(n, dtype=torch.uint16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    t = sorted(times[3:])[len(times[3:]) // 2]
+    return 2 * n * 2 / t / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def hf_model_for(args: argparse.Namespace, dtype: torch.dtype):
+    """The same shape through transformers, random weights on the GPU."""
+    from engine.models.shapes import get_shape_config
+    from transformers import AutoModelForCausalLM
+
+    config = get_shape_config(args.model_shape)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def emit(result: dict, record: bool) -> None:
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu_name(),
+        "commit": git_commit(),
+        **result,
+    }
+    line = json.dumps(result)
+    print(line, flush=True)
+    if record:
+        with RESULTS.open("a") as f:
+            f.write(line + "\n")

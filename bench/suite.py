@@ -1,0 +1,137 @@
+"""The GPU issue's workloads for one shape, in one process (one engine start-up).
+
+python -m bench.suite --model-shape llama3-8b [--baseline hf] [--out results.jsonl]
+Workloads match the vLLM anchor's (random token prompts, EOS ignored, greedy unless noted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from bench.common import (
+    add_engine_args,
+    build_llm,
+    copy_bandwidth_gbs,
+    emit,
+    hf_model_for,
+    random_prompts,
+    weight_bytes,
+)
+from bench.latency import measure_latency
+from engine import SamplingParams
+
+# (name, num_prompts, input_len, output_len); None lengths: uniform in [100, 1024].
+WORKLOADS = {
+    "llama3-8b": [
+        ("latency", 1, 256, 128),
+        ("batch64", 64, 512, 256),
+        ("throughput", 1000, 1024, 128),
+        ("decode_heavy", 1000, 128, 1024),
+    ],
+    "qwen3-0.6b": [("latency", 1, 256, 128), ("mixed", 256, None, None)],
+    "llama3-70b": [("latency", 1, 256, 128), ("throughput", 1000, 1024, 128)],
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_engine_args(parser)
+    parser.add_argument("--only", nargs="*", default=None, help="workload names to run")
+    args = parser.parse_args(argv)
+    shape = args.model_shape
+    hf_tok_s = None
+    batch64 = [w for w in WORKLOADS[shape] if w[0] == "batch64"]
+    if args.baseline == "hf" and batch64:
+        # Before kvray takes its share of the GPU memory.
+        _, n, inp, out = batch64[0]
+        hf_tok_s = _hf_tok_s(args, random_prompts(n, inp, 100000, args.seed), out)
+    llm, startup_s = build_llm(args)
+    command = "python -m bench.suite " + " ".join(argv or sys.argv[1:])
+    base = {"engine": "kvray", "model_shape": shape, "command": command}
+    emit({**base, "bench": "startup", "startup_s": round(startup_s, 1)}, args.record)
+    vocab = llm.engine.vocab_size
+    model = llm.engine.executor.worker.runner.model
+    for name, n, inp, out in WORKLOADS[shape]:
+        if args.only and name not in args.only:
+            continue
+        if name == "latency":
+            prompts = random_prompts(1, inp, vocab, args.seed)
+            ms, ttft = measure_latency(llm, prompts, out)
+            nbytes = weight_bytes(model)
+            bw = copy_bandwidth_gbs()
+            emit(
+                {
+                    **base,
+                    "bench": "latency",
+                    "batch_size": 1,
+                    "input_len": inp,
+                    "output_len": out,
+                    "ms_per_token": round(ms, 3),
+                    "ttft_s": round(ttft, 4),
+                    "weight_gb": round(nbytes / 1e9, 2),
+                    "copy_bandwidth_gbs": round(bw),
+                    "roofline_ms_per_token": round(nbytes / (bw * 1e9) * 1000, 3),
+                },
+                args.record,
+            )
+            continue
+        rng = random.Random(args.seed)
+        if name == "mixed":
+            prompts = [
+                [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)
+            ]
+            params = [
+                SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
+                for _ in range(n)
+            ]
+        else:
+            prompts = random_prompts(n, inp, vocab, args.seed)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=out, min_tokens=out, ignore_eos=True
+            )
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - start
+        n_in = sum(map(len, prompts))
+        n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result = {
+            **base,
+            "bench": "throughput",
+            "workload": name,
+            "num_prompts": n,
+            "input_len": inp,
+            "output_len": out,
+            "wall_s": round(dt, 3),
+            "requests_s": round(n / dt, 2),
+            "output_tok_s": round(n_out / dt, 1),
+            "total_tok_s": round((n_in + n_out) / dt, 1),
+        }
+        if hf_tok_s is not None and name == "batch64":
+            result["baseline_output_tok_s"] = round(hf_tok_s, 1)
+        emit(result, args.record)
+    print(json.dumps({"done": True}))
+
+
+def _hf_tok_s(args, prompts, out: int) -> float:
+    model = hf_model_for(args, torch.bfloat16)
+    ids = torch.tensor(prompts, device="cuda")
+    model.generate(ids[:2], max_new_tokens=4, do_sample=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=out, min_new_tokens=out, do_sample=False)
+    torch.cuda.synchronize()
+    tok_s = len(prompts) * out / (time.perf_counter() - start)
+    del model
+    torch.cuda.empty_cache()
+    return tok_s
+
+
+if __name__ == "__main__":
+    main()
