@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -110,6 +111,8 @@ def hf_model_for(args: argparse.Namespace, dtype: torch.dtype):
 
 
 def git_commit() -> str:
+    if os.environ.get("KVRAY_COMMIT"):
+        return os.environ["KVRAY_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent
