@@ -278,7 +278,5 @@ class ModelRunner:
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    # Small per-step arrays: pinning each one costs more than the copy it would speed up.
+    return torch.from_numpy(array).to(device)

@@ -7,16 +7,17 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from engine import LLM, SamplingParams
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-from engine import LLM, SamplingParams  # noqa: E402
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 STEPS = 64
-NEAR_TIE = 0.05
-"""Two candidates whose logprobs differ by less than this are a tie at bf16 precision."""
+BF16_LOGPROB_TOL = 0.25
+"""bf16 rounding through the layers moves a logprob by up to about this much; two
+candidates closer than this are a tie that either path may break its own way."""
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +79,9 @@ def test_triton_and_graphs_match_reference(model_dir):
                 # Only a near-tie may flip greedy: then both paths must see it as one.
                 top = r.logprobs[step].top
                 assert a in top, f"step {step}: token {a} not in the reference's top-5"
-                assert abs(top[a] - top[b]) < NEAR_TIE, f"step {step}: not a tie"
+                assert abs(top[a] - top[b]) < BF16_LOGPROB_TOL, f"step {step}: not a tie"
                 break
-            assert abs(f.logprobs[step].logprob - r.logprobs[step].logprob) < 0.1
+            assert abs(f.logprobs[step].logprob - r.logprobs[step].logprob) < BF16_LOGPROB_TOL
         else:
             exact += 1
     assert exact >= len(prompts) // 2, f"only {exact} of {len(prompts)} sequences equal"
