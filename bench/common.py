@@ -72,7 +72,7 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy bandwidth, bytes read plus written, median of 20 copies of 4 GiB."""
     n = 1 << 31
-    src = torch.empty(n, dtype=torch.uint16, device="cuda").random_()
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     times = []
     for _ in range(23):
