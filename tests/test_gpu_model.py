@@ -33,11 +33,16 @@ def model_dir(tmp_path_factory):
         num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=1024,
-        initializer_range=0.1,
+        initializer_range=0.05,
         rope_theta=10000.0,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Peaked next-token distributions, as in a trained model: random weights alone give
+        # near-uniform logits where bf16 rounding breaks ties at almost every step.
+        model.lm_head.weight.mul_(5.0)
+    model = model.to(torch.bfloat16)
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return str(path)
@@ -72,7 +77,7 @@ def test_triton_and_graphs_match_reference(model_dir):
     prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in range(5, 105, 5)]
     fast = _run(model_dir, prompts, torch_kernels=False, enforce_eager=False)
     ref = _run(model_dir, prompts, torch_kernels=True, enforce_eager=True)
-    exact = 0
+    matched_steps = 0
     for f, r in zip(fast, ref, strict=True):
         for step, (a, b) in enumerate(zip(f.token_ids, r.token_ids, strict=True)):
             if a != b:
@@ -82,6 +87,6 @@ def test_triton_and_graphs_match_reference(model_dir):
                 assert abs(top[a] - top[b]) < BF16_LOGPROB_TOL, f"step {step}: not a tie"
                 break
             assert abs(f.logprobs[step].logprob - r.logprobs[step].logprob) < BF16_LOGPROB_TOL
-        else:
-            exact += 1
-    assert exact >= len(prompts) // 2, f"only {exact} of {len(prompts)} sequences equal"
+            matched_steps += 1
+    # Ties are rare on peaked distributions: most steps must have been compared.
+    assert matched_steps >= len(prompts) * STEPS // 2, f"{matched_steps} steps matched"
