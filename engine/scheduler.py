@@ -101,7 +101,18 @@ class Scheduler:
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
+            "kv_cache_fragmentation": self._fragmentation(),
         }
+
+    def _fragmentation(self) -> float:
+        """Share of the running requests' token slots that hold no token (last-block waste)."""
+        kv = self.kv_cache_manager
+        num_slots = self.block_size * sum(
+            len(kv.req_to_blocks.get(r.request_id, ())) for r in self.running
+        )
+        if num_slots == 0:
+            return 0.0
+        return 1.0 - sum(r.num_computed_tokens for r in self.running) / num_slots
 
     # -- one step ---------------------------------------------------------------------------
 

@@ -1,0 +1,102 @@
+"""kvray metrics through Ray's metrics agent, and what the ingress records per tenant.
+
+Every Ray node exports the metrics of all processes on it at its metrics export port
+(`ray start --metrics-export-port=8080`), as `ray_<name>`: one Prometheus scrape per node
+covers every replica there. Inside a Serve replica, `ray.serve.metrics` adds the
+`deployment`, `replica` and `application` labels.
+
+Build a `RayMetricsSink` inside the replica (in `__init__`), never at import time: Serve
+copies a deployment class with its globals, and a metric object made at module level in
+the driver never reaches the exporter.
+
+Ray's agent drops a gauge value that its process has not set again within two report
+intervals (so a dead replica's gauges vanish); `RayMetricsSink` therefore sets its gauges
+again every `refresh_interval_s` from a daemon thread, so an idle engine stays visible.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from engine.metrics import METRICS
+
+
+class RayMetricsSink:
+    """The `engine.metrics.MetricsSink` on `ray.serve.metrics` (plain Ray tags outside Serve)."""
+
+    def __init__(self, refresh_interval_s: float = 1.0) -> None:
+        from ray.serve import metrics
+
+        if refresh_interval_s <= 0:
+            raise ValueError(f"refresh_interval_s must be > 0, got {refresh_interval_s}")
+        self.refresh_interval_s = refresh_interval_s
+        self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._metrics: dict[str, Any] = {}
+        for m in METRICS:
+            if m.kind == "counter":
+                metric = metrics.Counter(m.name, m.description, tag_keys=m.labels)
+            elif m.kind == "gauge":
+                metric = metrics.Gauge(m.name, m.description, tag_keys=m.labels)
+            else:
+                metric = metrics.Histogram(
+                    m.name, m.description, boundaries=list(m.buckets), tag_keys=m.labels
+                )
+            self._metrics[m.name] = metric
+        threading.Thread(target=self._refresh_gauges, name="kvray-gauges", daemon=True).start()
+
+    def inc(self, name: str, value: float, labels: Mapping[str, str]) -> None:
+        if value > 0:  # Ray raises on increments <= 0
+            self._metrics[name].inc(value, tags=dict(labels))
+
+    def set(self, name: str, value: float, labels: Mapping[str, str]) -> None:
+        with self._lock:
+            self._gauges[(name, tuple(labels.items()))] = value
+        self._metrics[name].set(value, tags=dict(labels))
+
+    def observe(self, name: str, value: float, labels: Mapping[str, str]) -> None:
+        self._metrics[name].observe(value, tags=dict(labels))
+
+    def close(self) -> None:
+        """Stop refreshing gauges: they age out of Ray's export within two report intervals."""
+        self._closed.set()
+
+    def _refresh_gauges(self) -> None:
+        while not self._closed.wait(self.refresh_interval_s):
+            with self._lock:
+                gauges = list(self._gauges.items())
+            for (name, labels), value in gauges:
+                self._metrics[name].set(value, tags=dict(labels))
+
+
+class TenantMetrics:
+    """Per-tenant requests, tokens and rejections, recorded by the HTTP ingress."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+
+    def request_done(self, tenant: str, status_code: int) -> None:
+        self.sink.inc("kvray_http_requests", 1, {"tenant": tenant, "code": str(status_code)})
+
+    def rejected(self, tenant: str, reason: str) -> None:
+        self.sink.inc("kvray_tenant_rejections", 1, {"tenant": tenant, "reason": reason})
+
+    def tokens(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.sink.inc("kvray_tenant_tokens", prompt_tokens, {"tenant": tenant, "kind": "prompt"})
+        self.sink.inc(
+            "kvray_tenant_tokens", completion_tokens, {"tenant": tenant, "kind": "generation"}
+        )
+
+
+class ReplicaReadiness:
+    """`kvray_replica_ready`: 1 while the replica's engine is healthy (set on health checks)."""
+
+    def __init__(self, sink: Any, model_name: str) -> None:
+        self.sink = sink
+        self.labels = {"model": model_name}
+
+    def set(self, ready: bool) -> None:
+        self.sink.set("kvray_replica_ready", 1.0 if ready else 0.0, self.labels)
