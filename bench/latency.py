@@ -22,7 +22,6 @@ from bench.common import (
     emit,
     hf_model_for,
     random_prompts,
-    weight_bytes,
 )
 from engine import SamplingParams
 
@@ -56,8 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m bench.latency " + " ".join(argv or sys.argv[1:]),
     }
     if engine.config.device == "cuda":
-        model = engine.executor.worker.runner.model
-        nbytes = weight_bytes(model)
+        nbytes = engine.executor.step_weight_bytes()
         bw = copy_bandwidth_gbs()
         result.update(
             weight_gb=round(nbytes / 1e9, 2),

@@ -21,7 +21,6 @@ from bench.common import (
     emit,
     hf_model_for,
     random_prompts,
-    weight_bytes,
 )
 from bench.latency import measure_latency
 from engine import SamplingParams
@@ -56,14 +55,13 @@ def main(argv: list[str] | None = None) -> None:
     base = {"engine": "kvray", "model_shape": shape, "command": command}
     emit({**base, "bench": "startup", "startup_s": round(startup_s, 1)}, args.record)
     vocab = llm.engine.vocab_size
-    model = llm.engine.executor.worker.runner.model
     for name, n, inp, out in WORKLOADS[shape]:
         if args.only and name not in args.only:
             continue
         if name == "latency":
             prompts = random_prompts(1, inp, vocab, args.seed)
             ms, ttft = measure_latency(llm, prompts, out)
-            nbytes = weight_bytes(model)
+            nbytes = llm.engine.executor.step_weight_bytes()
             bw = copy_bandwidth_gbs()
             emit(
                 {

@@ -62,6 +62,21 @@ def divide(numerator: int, denominator: int, what: str, by: str = "tensor_parall
     return numerator // denominator
 
 
+def check_parallel_sizes(hf_config, tp_size: int, pp_size: int) -> None:
+    """Refuse, before any rank starts, sizes that the model's layers cannot be split into."""
+    num_heads = hf_config.num_attention_heads
+    divide(num_heads, tp_size, "num_attention_heads")
+    divide(
+        getattr(hf_config, "num_key_value_heads", None) or num_heads, tp_size, "num_key_value_heads"
+    )
+    divide(hf_config.intermediate_size, tp_size, "intermediate_size")
+    if hf_config.num_hidden_layers < pp_size:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size} must be <= num_hidden_layers="
+            f"{hf_config.num_hidden_layers}"
+        )
+
+
 def init_distributed(
     tp_size: int,
     pp_size: int,
@@ -141,6 +156,41 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
     dist.all_gather(parts, x.contiguous(), group=_tp_group())
     return torch.cat(parts, dim=dim)
+
+
+def send_intermediate_tensors(tensors: dict[str, torch.Tensor]) -> None:
+    """Send a stage's hand-off to the same tensor-parallel rank of the next stage.
+
+    Keys go in sorted order; `recv_intermediate_tensors` on the next stage reads them in the
+    same order.
+    """
+    dst = _state.pp_rank + 1
+    if dst >= _state.pp_size:
+        raise RuntimeError("the last pipeline stage has no next stage to send to")
+    for key in sorted(tensors):
+        dist.send(tensors[key].contiguous(), group=_pp_group(), group_dst=dst)
+
+
+def recv_intermediate_tensors(
+    keys: list[str], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Receive the previous stage's hand-off: one tensor of `shape` per key."""
+    src = _state.pp_rank - 1
+    if src < 0:
+        raise RuntimeError("the first pipeline stage has no previous stage to receive from")
+    out = {}
+    for key in sorted(keys):
+        out[key] = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out[key], group=_pp_group(), group_src=src)
+    return out
+
+
+def _pp_group() -> dist.ProcessGroup:
+    if _state.pp_group is None:
+        raise RuntimeError(
+            f"pipeline_parallel_size={_state.pp_size} but no process group: call init_distributed()"
+        )
+    return _state.pp_group
 
 
 def _tp_group() -> dist.ProcessGroup:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 from engine.config import EngineConfig
 from engine.loader import ModelSource
@@ -33,8 +34,30 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps that may be in flight at once: one per pipeline stage, so that while one
+        batch is in stage 2 the next runs in stage 1."""
+        return 1
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future:
+        """Start a step; the future's result() is its ModelRunnerOutput. Steps run on every
+        rank in submission order, so up to `max_concurrent_batches` may be pending; the
+        scheduler must not schedule a request again while its sampled token is pending."""
+        future: Future = Future()
+        try:
+            future.set_result(self.execute_model(scheduler_output))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
+
+    def step_weight_bytes(self) -> int:
+        """Weight bytes one decode step streams on its critical path: the largest
+        tensor-parallel shard of each pipeline stage, summed over stages."""
+        raise NotImplementedError
 
     def shutdown(self) -> None:
         pass
@@ -56,6 +79,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def step_weight_bytes(self) -> int:
+        return self.worker.weight_bytes()
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:

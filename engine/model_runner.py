@@ -13,6 +13,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
+from engine.distributed import (
+    get_pp_rank,
+    get_pp_size,
+    get_tp_rank,
+    recv_intermediate_tensors,
+    send_intermediate_tensors,
+)
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.loader import ModelSource, load_model
@@ -50,7 +57,18 @@ class BatchInputs:
     sampling_req_ids: list[str] = field(default_factory=list)
 
 
+INTERMEDIATE_KEYS = ["hidden_states", "residual"]
+
+
 class ModelRunner:
+    """Build after `init_distributed`: the rank's pipeline stage decides what it runs.
+
+    Every stage keeps the same request states; the first embeds tokens, the others receive
+    the previous stage's hidden states and residual, the last computes logits. Only the
+    last stage's tensor-parallel rank 0 samples and returns tokens; other ranks return an
+    empty `ModelRunnerOutput`.
+    """
+
     def __init__(self, config: EngineConfig, hf_config, device: torch.device):
         self.config = config
         self.hf_config = hf_config
@@ -63,6 +81,9 @@ class ModelRunner:
         self.cuda_graphs: DecodeCudaGraphs | None = None
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        self.is_first_stage = get_pp_rank() == 0
+        self.is_last_stage = get_pp_rank() == get_pp_size() - 1
+        self.is_driver = self.is_last_stage and get_tp_rank() == 0
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -129,9 +150,18 @@ class ModelRunner:
         )
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        intermediate = None
+        if not self.is_first_stage:
+            # Each stage profiles alone: a stand-in for the previous stage's hand-off.
+            shape = (num_tokens, self.hf_config.hidden_size)
+            intermediate = {
+                k: torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for k in INTERMEDIATE_KEYS
+            }
         with torch.inference_mode(), forward_context(meta):
-            hidden = self.model(input_ids, positions)
-            self.model.compute_logits(hidden[starts[1:].long().to(self.device) - 1])
+            hidden = self.model(input_ids, positions, intermediate)
+            if self.is_last_stage:
+                self.model.compute_logits(hidden[starts[1:].long().to(self.device) - 1])
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = [
@@ -147,7 +177,9 @@ class ModelRunner:
             for layer in attention_layers(self.model)
         ]
         bind_kv_caches(self.model, self.kv_caches)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        # Graphs capture a whole-model forward: pipeline stages run eagerly.
+        use_graphs = self.config.parallel_config.pipeline_parallel_size == 1
+        if self.device.type == "cuda" and not self.config.enforce_eager and use_graphs:
             sched = self.config.scheduler_config
             self.cuda_graphs = DecodeCudaGraphs(
                 self.model,
@@ -251,11 +283,23 @@ class ModelRunner:
         ):
             hidden = graphs.run(batch.input_ids, batch.positions, meta)
         else:
+            intermediate = None
+            if not self.is_first_stage:
+                shape = (out.total_num_scheduled_tokens, self.hf_config.hidden_size)
+                intermediate = recv_intermediate_tensors(
+                    INTERMEDIATE_KEYS, shape, self.dtype, self.device
+                )
             with forward_context(meta):
-                hidden = self.model(batch.input_ids, batch.positions)
+                hidden = self.model(batch.input_ids, batch.positions, intermediate)
+        if not self.is_last_stage:
+            send_intermediate_tensors(hidden)
+            return ModelRunnerOutput()
         if not batch.sampling_req_ids:
             return ModelRunnerOutput()
+        # Every tensor-parallel rank joins the logits all-gather; only the driver samples.
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if not self.is_driver:
+            return ModelRunnerOutput()
         states = [self.requests[r] for r in batch.sampling_req_ids]
         sampling_batch = build_sampling_batch(
             params=[s.sampling_params for s in states],

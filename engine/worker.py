@@ -40,3 +40,13 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (tied weights counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.runner.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total

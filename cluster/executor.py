@@ -1,0 +1,298 @@
+"""RayActorGroupExecutor: one `Worker` actor per rank, placed in the replica's placement group.
+
+Ranks follow engine.distributed: rank = pp_rank * tp_size + tp_rank, bundle index = rank.
+Every step the scheduler output goes to every rank; all ranks run their part of the model
+(torch.distributed carries the tensor-parallel all-reduces and the stage-to-stage hand-off)
+and the last stage's tensor-parallel rank 0 returns the sampled tokens.
+
+On CUDA the per-step fan-out is a Ray Compiled Graph (InputNode -> every
+worker.execute_model -> MultiOutputNode). On CPU it is plain actor calls: a compiled
+graph's idle readers poll their channels, and with several ranks on a small machine that
+polling takes the cores the ranks compute on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError, RayChannelError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.placement import RankPlacement, place_ranks
+from engine.config import EngineConfig
+from engine.distributed import check_parallel_sizes, destroy_distributed, init_distributed
+from engine.executor import Executor
+from engine.loader import ModelSource
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+INIT_TIMEOUT_S = 600.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank of the actor group is gone; the group cannot run another step."""
+
+
+@ray.remote(concurrency_groups={"health": 1})
+class RayWorker:
+    """Hosts one rank's `engine.worker.Worker` in its own process."""
+
+    def __init__(self, num_threads: int):
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        torch.set_num_threads(num_threads)
+        self.worker: Worker | None = None
+
+    def node_info(self) -> dict[str, Any]:
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def init_worker(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        source: ModelSource,
+        rank: int,
+        init_method: str,
+    ) -> None:
+        parallel = config.parallel_config
+        backend = "nccl" if config.device == "cuda" else "gloo"
+        init_distributed(
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            rank,
+            backend=backend,
+            init_method=init_method,
+        )
+        # Ray gives each actor only its own GPU, so the local device is always 0.
+        self.worker = Worker(config, hf_config, source, rank=rank, local_rank=0)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        output = self.worker.execute_model(scheduler_output)
+        return output if self.worker.runner.is_driver else None
+
+    def weight_bytes(self) -> int:
+        return self.worker.weight_bytes()
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        destroy_distributed()
+
+
+class _PendingStep(Future):
+    """A step in flight; result() collects it (blocking) from the sampling rank."""
+
+    def __init__(self, executor: RayActorGroupExecutor, refs: list[Any]):
+        super().__init__()
+        self._executor = executor
+        self._refs = refs
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if not self.done():
+            try:
+                self.set_result(self._executor._collect(self._refs))
+            except Exception as e:
+                self.set_exception(e)
+        return super().result(timeout)
+
+
+class RayActorGroupExecutor(Executor):
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        source: ModelSource,
+        use_compiled_graph: bool | None = None,
+    ):
+        """`use_compiled_graph` None: a compiled graph on CUDA, plain actor calls on CPU."""
+        super().__init__(config, hf_config, source)
+        parallel = config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
+        self.world_size = parallel.world_size
+        check_parallel_sizes(hf_config, self.tp_size, self.pp_size)
+        if use_compiled_graph is None:
+            use_compiled_graph = config.device == "cuda"
+        self.use_compiled_graph = use_compiled_graph
+        # The rank that samples: tensor-parallel rank 0 of the last pipeline stage.
+        self.driver_rank = (self.pp_size - 1) * self.tp_size
+        self.workers: list[Any] = []
+        self.placement: RankPlacement | None = None
+        self._dag = None
+        self._dead: WorkerDiedError | None = None
+        if not ray.is_initialized():
+            ray.init()
+        try:
+            self._start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self) -> None:
+        cuda = self.config.device == "cuda"
+        self.placement = place_ranks(self.world_size, self.config.device)
+        for rank, bundle in enumerate(self.placement.bundles):
+            # The bundle reserves the resources; the actor claims only the GPU, so it also
+            # fits in bundle 0 beside a Serve replica that holds that bundle's CPUs.
+            threads = max(1, int(bundle.get("CPU", 1.0)))
+            worker = RayWorker.options(
+                num_cpus=0,
+                num_gpus=1 if cuda else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement.placement_group, placement_group_bundle_index=rank
+                ),
+            ).remote(threads)
+            self.workers.append(worker)
+        self.node_infos: list[dict[str, Any]] = self._get(
+            [w.node_info.remote() for w in self.workers], INIT_TIMEOUT_S
+        )
+        master_ip = self.node_infos[0]["ip"]
+        port = self._get([self.workers[0].free_port.remote()], INIT_TIMEOUT_S)[0]
+        init_method = f"tcp://{master_ip}:{port}"
+        self._get(
+            [
+                w.init_worker.remote(self.config, self.hf_config, self.source, rank, init_method)
+                for rank, w in enumerate(self.workers)
+            ],
+            INIT_TIMEOUT_S,
+        )
+        if self.use_compiled_graph:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as scheduler_output:
+                dag = MultiOutputNode(
+                    [w.execute_model.bind(scheduler_output) for w in self.workers]
+                )
+            self._dag = dag.experimental_compile(_max_inflight_executions=self.pp_size + 1)
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank, in rank order."""
+        return [info["node_id"] for info in self.node_infos]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [info["pid"] for info in self.node_infos]
+
+    def _get(self, refs: list[Any], timeout: float | None = None) -> list[Any]:
+        """ray.get that fails as soon as any one call fails, instead of after all finish
+        (ranks blocked in a collective with a dead peer may take long to notice)."""
+        pending = list(refs)
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+                if not ready:
+                    raise TimeoutError(f"workers did not answer within {timeout} s")
+                ray.get(ready)
+            return ray.get(refs)
+        except RayActorError as e:
+            self._dead = WorkerDiedError(f"a worker of the actor group died: {e}")
+            raise self._dead from e
+        except RayTaskError as e:
+            # A worker raised: hand its own exception (e.g. a ValueError about the model) on.
+            cause = e.cause if isinstance(e.cause, Exception) else e
+            raise cause from None
+
+    def determine_num_blocks(self) -> int:
+        return min(self._get([w.determine_num_blocks.remote() for w in self.workers]))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._get([w.initialize_cache.remote(num_blocks) for w in self.workers])
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._submit(scheduler_output).result()
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.pp_size
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future:
+        """Every rank's actor runs its calls in submission order, and stage-to-stage sends
+        pair up in that order, so batches queue through the pipeline stage by stage."""
+        return self._submit(scheduler_output)
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> _PendingStep:
+        if self._dead is not None:
+            raise self._dead
+        if self._dag is not None:
+            try:
+                refs = self._dag.execute(scheduler_output)
+            except (RayActorError, RayChannelError) as e:
+                self._dead = WorkerDiedError(f"a worker of the actor group died: {e}")
+                raise self._dead from e
+        else:
+            ref = ray.put(scheduler_output)
+            refs = [w.execute_model.remote(ref) for w in self.workers]
+        return _PendingStep(self, refs)
+
+    def _collect(self, refs: list[Any]) -> ModelRunnerOutput:
+        if self._dag is None:
+            return self._get(refs)[self.driver_rank]
+        try:
+            return ray.get(refs)[self.driver_rank]
+        except (RayActorError, RayChannelError) as e:
+            self._dead = WorkerDiedError(f"a worker of the actor group died: {e}")
+            raise self._dead from e
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        self._get([w.ping.remote() for w in self.workers], HEALTH_TIMEOUT_S)
+
+    def step_weight_bytes(self) -> int:
+        sizes = self._get([w.weight_bytes.remote() for w in self.workers])
+        tp = self.tp_size
+        return sum(max(sizes[stage * tp : (stage + 1) * tp]) for stage in range(self.pp_size))
+
+    def shutdown(self) -> None:
+        """Stop every rank and give the placement back; safe to call more than once."""
+        if self._dag is not None:
+            try:
+                self._dag.teardown()
+            except Exception:
+                logger.debug("compiled graph teardown failed", exc_info=True)
+            self._dag = None
+        if self.workers and self._dead is None:
+            try:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=10)
+            except Exception:
+                logger.debug("worker shutdown failed", exc_info=True)
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:
+                pass
+        self.workers = []
+        if self.placement is not None:
+            self.placement.release()
+            self.placement = None
+
+    def __del__(self) -> None:
+        if getattr(self, "workers", None) and ray.is_initialized():
+            self.shutdown()

@@ -1,0 +1,217 @@
+"""Ray nodes for kvray: `ray start` with the ports, resources and metrics port kvray expects.
+
+A head node runs the GCS, the Serve controller and proxy and the ingress; worker nodes
+hold the GPUs the replicas' ranks run on. Every node exports Prometheus metrics on
+`metrics_export_port` (the port k8s/ and grafana/ scrape). `LocalCluster` starts a head and
+N worker raylets on one machine for tests and demos, and stops exactly the processes it
+started (`ray stop` would end every Ray process on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+DEFAULT_GCS_PORT = 6379
+DEFAULT_METRICS_PORT = 8080
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def ray_start_command(
+    *,
+    head: bool,
+    address: str | None = None,
+    port: int = DEFAULT_GCS_PORT,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    resources: dict[str, float] | None = None,
+    metrics_export_port: int = DEFAULT_METRICS_PORT,
+    dashboard: bool = False,
+    object_store_memory: int | None = None,
+    block: bool = False,
+) -> list[str]:
+    """The `ray start` argument list for a kvray head or worker node."""
+    if head == (address is not None):
+        raise ValueError("a head node takes no address; a worker node needs one")
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start"]
+    if head:
+        cmd += ["--head", f"--port={port}", f"--include-dashboard={str(dashboard).lower()}"]
+        if dashboard:
+            cmd += ["--dashboard-host=0.0.0.0"]
+    else:
+        cmd += [f"--address={address}"]
+    cmd += [f"--metrics-export-port={metrics_export_port}"]
+    if num_cpus is not None:
+        cmd += [f"--num-cpus={num_cpus}"]
+    if num_gpus is not None:
+        cmd += [f"--num-gpus={num_gpus}"]
+    if resources:
+        cmd += [f"--resources={json.dumps(resources)}"]
+    if object_store_memory is not None:
+        cmd += [f"--object-store-memory={object_store_memory}"]
+    if block:
+        cmd += ["--block"]
+    return cmd
+
+
+def node_env() -> dict[str, str]:
+    """The environment kvray's nodes and drivers share (auth off unless chosen, no usage stats)."""
+    env = dict(os.environ)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return env
+
+
+@dataclass
+class LocalCluster:
+    """A head and `num_workers` worker raylets on this machine, each a `ray start --block`."""
+
+    num_workers: int = 1
+    num_cpus: int = 1
+    """CPUs each node offers."""
+    port: int | None = None
+    """GCS port of the head; None picks a free one."""
+    object_store_memory: int = 500_000_000
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        """Start every node and wait until all are alive; returns the head's address."""
+        if self.port is None:
+            self.port = free_port()
+        common = dict(
+            num_cpus=self.num_cpus, object_store_memory=self.object_store_memory, block=True
+        )
+        try:
+            self._spawn(
+                ray_start_command(
+                    head=True,
+                    port=self.port,
+                    metrics_export_port=free_port(),
+                    resources={"kvray_head": 1},
+                    **common,
+                )
+            )
+            self._wait_for_nodes(1, timeout_s)
+            for _ in range(self.num_workers):
+                self._spawn(
+                    ray_start_command(
+                        head=False,
+                        address=self.address,
+                        metrics_export_port=free_port(),
+                        **common,
+                    )
+                )
+            self._wait_for_nodes(1 + self.num_workers, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.address
+
+    def _spawn(self, cmd: list[str]) -> None:
+        # Own session: a Ctrl-C in the terminal reaches this launcher, which stops the nodes
+        # in order, instead of every node at once.
+        self.procs.append(
+            subprocess.Popen(
+                cmd,
+                env=node_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
+
+    def _wait_for_nodes(self, count: int, timeout_s: float) -> None:
+        # Asked in a child process: this one may already be a driver of another cluster.
+        probe = (
+            "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+            "print(sum(n['Alive'] for n in ray.nodes()))"
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"`{' '.join(proc.args)}` exited with {proc.returncode}")
+            result = subprocess.run(
+                [sys.executable, "-c", probe, self.address],
+                env=node_env(),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            lines = result.stdout.strip().splitlines()
+            if result.returncode == 0 and lines and int(lines[-1]) >= count:
+                return
+            time.sleep(1)
+        raise TimeoutError(f"{count} Ray node(s) were not up at {self.address} in {timeout_s} s")
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process this cluster runs: the launchers and all their descendants."""
+        found = []
+        for proc in self.procs:
+            try:
+                parent = psutil.Process(proc.pid)
+                found += [parent, *parent.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM each node (workers first), then SIGKILL whatever of theirs is left."""
+        tracked = self.processes()
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        _, alive = psutil.wait_procs(tracked, timeout=max(0.1, deadline - time.monotonic()))
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        self.procs = []
+        self._forget_address()
+
+    def _forget_address(self) -> None:
+        """`ray start` records the head's address for later bare `ray.init()` calls on this
+        machine; drop the record when it is ours, so they start fresh instead of failing
+        to reach a stopped cluster."""
+        try:
+            from ray._common.utils import reset_ray_address
+            from ray._private.utils import read_ray_address
+
+            recorded = read_ray_address()
+            if recorded and recorded.rsplit(":", 1)[-1] == str(self.port):
+                reset_ray_address()
+        except Exception:
+            pass
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

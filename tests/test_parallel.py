@@ -1,0 +1,209 @@
+"""Tensor- and pipeline-parallel actor groups through Ray (gloo on CPU) give TP=1's greedy
+tokens; dead workers fail a step promptly; shutdown leaves no process or placement behind.
+
+All modules share one local Ray instance (tests/test_serve_support.start_ray).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+
+import psutil
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from cluster.executor import RayActorGroupExecutor, WorkerDiedError
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, ParallelConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_hf_config, resolve_model_source
+from tests.test_serve_support import start_ray
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+TOKEN_PROMPTS = [[5, 17, 99, 3, 200, 41], [250, 7, 7, 12]]
+TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+TINY_ARGS = dict(max_model_len=128, num_gpu_blocks=64, block_size=4)
+# A small KV cache per rank: six ranks of the default 1 GiB would take 6 GiB of memory.
+SMOL_ARGS = dict(max_model_len=256, cpu_kv_cache_gib=0.05)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    start_ray()
+
+
+def write_tiny_llama(folder) -> str:
+    """A random 4-layer Llama (4 query and 4 KV heads) saved as safetensors, no tokenizer."""
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(checkpoint folder, TP=1 greedy tokens, TP=1 weight bytes)."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    llm = LLM(path, **TINY_ARGS)
+    return path, _tokens(llm, TOKEN_PROMPTS), llm.engine.executor.step_weight_bytes()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(TP=1 engine, its greedy tokens) of the bundled SmolLM2."""
+    llm = LLM(**SMOL_ARGS)
+    return llm.engine, _tokens(llm, TEXT_PROMPTS)
+
+
+def _tokens(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def _engine_tokens(engine: LLMEngine, prompts) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    done = {}
+    while len(done) < len(prompts):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def _engine(model: str, use_compiled_graph: bool | None = None, **engine_args) -> LLMEngine:
+    source = resolve_model_source(model)
+    hf_config = load_hf_config(source)
+    config = EngineConfig.create(hf_config=hf_config, model=model, **engine_args)
+    executor = functools.partial(RayActorGroupExecutor, use_compiled_graph=use_compiled_graph)
+    return LLMEngine(config, hf_config, source, None, executor_class=executor)
+
+
+def _pipelined_tokens(engine: LLMEngine, prompts) -> list[list[int]]:
+    """Drive the scheduler with up to `max_concurrent_batches` steps in flight: the next
+    batch is scheduled and submitted before the previous one's tokens are back."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, GREEDY)
+    executor, scheduler = engine.executor, engine.scheduler
+    in_flight: deque = deque()
+    done: dict[str, list[int]] = {}
+    max_in_flight = 0
+    while len(done) < len(prompts):
+        scheduled = scheduler.schedule()
+        if not scheduled.is_empty:
+            in_flight.append((scheduled, executor.execute_model_async(scheduled)))
+            max_in_flight = max(max_in_flight, len(in_flight))
+        if in_flight and (scheduled.is_empty or len(in_flight) == executor.max_concurrent_batches):
+            oldest, future = in_flight.popleft()
+            for request in scheduler.update_from_output(oldest, future.result()):
+                if request.status.is_finished:
+                    done[request.request_id] = list(request.output_token_ids)
+    engine.abort_request([f"p{i}" for i in range(len(prompts))])
+    assert max_in_flight == executor.max_concurrent_batches
+    return [done[f"p{i}"] for i in range(len(prompts))]
+
+
+def _assert_gone(pids: list[int], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(3, 1), (1, 2), (3, 2)], ids=["tp3", "pp2", "tp3xpp2"])
+def test_smollm2_parallel_greedy_equals_tp1(ray_instance, smollm2, tp, pp):
+    llm = LLM(**SMOL_ARGS, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        assert _tokens(llm, TEXT_PROMPTS) == smollm2[1]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_smollm2_tp2_is_refused_before_any_worker_starts(ray_instance, smollm2):
+    reference = smollm2[0]
+    config = reference.config.model_copy(
+        update={"parallel_config": ParallelConfig(tensor_parallel_size=2)}
+    )
+    placed_before = len(ray.util.placement_group_table())
+    # 9 query heads and 3 KV heads cannot be split in two.
+    with pytest.raises(ValueError, match="num_attention_heads=9 is not divisible by tensor_par"):
+        LLMEngine(config, reference.hf_config, reference.executor.source, reference.tokenizer)
+    assert len(ray.util.placement_group_table()) == placed_before
+
+
+def test_tiny_llama_tp2_pp2_equals_tp1_also_with_batches_in_flight(ray_instance, tiny):
+    path, want, whole_bytes = tiny
+    # A 6-token budget: prompts are chunked, and the two requests take turns, so while one
+    # request's batch is in the second stage the other's runs in the first.
+    llm = LLM(
+        path,
+        **TINY_ARGS,
+        max_num_batched_tokens=6,
+        enable_prefix_caching=False,  # the second run must compute its prompts again
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+    )
+    try:
+        assert _tokens(llm, TOKEN_PROMPTS) == want
+        assert _pipelined_tokens(llm.engine, TOKEN_PROMPTS) == want
+        # A decode step streams one TP shard per stage: half the weights, plus the norms
+        # (replicated on every rank) counted twice.
+        norm_bytes = (2 * 4 + 1) * 64 * 4
+        assert llm.engine.executor.step_weight_bytes() == pytest.approx(
+            whole_bytes / 2 + norm_bytes / 2, abs=norm_bytes
+        )
+    finally:
+        llm.engine.shutdown()
+
+
+def test_tiny_llama_tp4_pp2_equals_tp1_and_shutdown_leaves_nothing(ray_instance, tiny):
+    path, want, _ = tiny
+    free_cpus = ray.available_resources().get("CPU")
+    engine = _engine(path, **TINY_ARGS, tensor_parallel_size=4, pipeline_parallel_size=2)
+    executor = engine.executor
+    assert _engine_tokens(engine, TOKEN_PROMPTS) == want
+    pids, group = executor.worker_pids, executor.placement.placement_group
+    assert len(set(pids)) == 8
+    engine.shutdown()
+    _assert_gone(pids)
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+    assert ray.available_resources().get("CPU") == free_cpus
+
+
+def test_compiled_graph_tp2_equals_tp1_and_a_killed_worker_fails_the_step(ray_instance, tiny):
+    path, want, _ = tiny
+    engine = _engine(path, use_compiled_graph=True, **TINY_ARGS, tensor_parallel_size=2)
+    executor = engine.executor
+    assert executor.use_compiled_graph
+    assert _engine_tokens(engine, TOKEN_PROMPTS) == want
+
+    engine.add_request("mid", TOKEN_PROMPTS[0], SamplingParams(temperature=0, max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    executor.check_health()
+    pids = executor.worker_pids
+    ray.kill(executor.workers[1], no_restart=True)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError):
+        while True:
+            engine.step()
+    assert time.monotonic() - start < 10
+    with pytest.raises(WorkerDiedError):
+        executor.check_health()
+    engine.shutdown()
+    _assert_gone(pids)
