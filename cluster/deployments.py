@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.app_config import AppConfig
+from cluster.metrics import RayMetricsSink, ReplicaReadiness, TenantMetrics
 from cluster.tenants import TenantLimiter, TenantResolver
 from engine.api.protocol import (
     APIError,
@@ -59,6 +60,10 @@ class LLMServer:
     def __init__(self, config: AppConfig) -> None:
         self.engine = make_engine(config)
         self.serving = OpenAIServing(self.engine)
+        sink = RayMetricsSink()
+        self.engine.engine.enable_metrics(sink)
+        self.readiness = ReplicaReadiness(sink, self.engine.model_name)
+        self.readiness.set(True)
 
     async def generate(self, kind: str, request: Any, ctx: RequestContext):
         try:
@@ -86,8 +91,11 @@ class LLMServer:
         return self.engine.is_healthy
 
     def check_health(self) -> None:
+        self.readiness.set(self.engine.is_healthy)
         if not self.engine.is_healthy:
             raise RuntimeError("the engine loop is not running")
+        # A rank that died while the replica was idle shows here, not on the next request.
+        self.engine.engine.executor.check_health()
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -159,6 +167,7 @@ class OpenAIIngress:
         self.limiter = limiter
         self.resolver = TenantResolver(config.api_keys, config.tenants)
         self._models: dict | None = None
+        self.tenant_metrics = TenantMetrics(RayMetricsSink())
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -189,8 +198,10 @@ class OpenAIIngress:
     async def _generate(self, request: Request, kind: str) -> Response:
         received = time.time()
         lease = None
+        tenant_name = "unauthenticated"
         try:
             tenant = self.resolver.resolve(request.headers)
+            tenant_name = tenant.name
             body = await self._read_body(request)
             try:
                 parsed = _REQUEST_TYPES[kind].model_validate_json(body)
@@ -203,10 +214,20 @@ class OpenAIIngress:
                 cache_salt=tenant.cache_salt,
                 deadline=None if timeout is None else received + timeout,
             )
-            return await self._call_server(kind, parsed, ctx, lease)
+            response = await self._call_server(kind, parsed, ctx, lease, tenant.name)
         except APIError as e:
             self._release(lease, 0)
+            self.tenant_metrics.request_done(tenant_name, e.status_code)
+            if e.status_code == 429:
+                self.tenant_metrics.rejected(tenant_name, e.code or "rate_limited")
             return error_response(e)
+        except Exception as e:
+            self.tenant_metrics.request_done(
+                tenant_name, 499 if isinstance(e, TaskCancelledError) else 500
+            )
+            raise
+        self.tenant_metrics.request_done(tenant_name, response.status_code)
+        return response
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_request_body_bytes
@@ -241,7 +262,7 @@ class OpenAIIngress:
             self.limiter.release.remote(lease, tokens)
 
     async def _call_server(
-        self, kind: str, parsed: Any, ctx: RequestContext, lease: str | None
+        self, kind: str, parsed: Any, ctx: RequestContext, lease: str | None, tenant: str
     ) -> Response:
         replies = self.server_stream.generate.remote(kind, parsed, ctx)
         try:
@@ -272,13 +293,17 @@ class OpenAIIngress:
             raise first
         if isinstance(first, dict):
             _cancel(replies)
-            self._release(lease, first.get("usage", {}).get("total_tokens", 0))
+            usage = first.get("usage", {})
+            self._release(lease, usage.get("total_tokens", 0))
+            self.tenant_metrics.tokens(
+                tenant, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+            )
             return JSONResponse(first)
         return StreamingResponse(
-            self._stream(first, replies, lease), media_type="text/event-stream"
+            self._stream(first, replies, lease, tenant), media_type="text/event-stream"
         )
 
-    async def _stream(self, first: str, replies: Any, lease: str | None):
+    async def _stream(self, first: str, replies: Any, lease: str | None, tenant: str):
         usage = None
         done = False
         try:
@@ -293,6 +318,8 @@ class OpenAIIngress:
             if not done:
                 _cancel(replies)
             self._release(lease, usage.total_tokens if usage is not None else 0)
+            if usage is not None:
+                self.tenant_metrics.tokens(tenant, usage.prompt_tokens, usage.completion_tokens)
 
 
 def build_openai_app(config: AppConfig) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,10 +14,12 @@ from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from engine.config import EngineConfig
 from engine.executor import Executor, get_executor_class
 from engine.loader import ModelSource, load_hf_config, resolve_model_source
+from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
 
 
@@ -39,6 +41,9 @@ class _ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_Sample] = field(default_factory=list)
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+    num_generated: int = 0
+    """Tokens of all samples already counted by metrics."""
 
     @property
     def finished(self) -> bool:
@@ -72,6 +77,11 @@ class LLMEngine:
         self.vocab_size: int = hf_config.vocab_size
         self._parents: dict[str, _ParentRequest] = {}
         self._sample_parent: dict[str, str] = {}
+        self.metrics: EngineMetrics | None = None
+
+    def enable_metrics(self, sink: MetricsSink, flush_interval_s: float = 1.0) -> None:
+        """Record engine metrics into `sink` from the next request on (see engine/metrics.py)."""
+        self.metrics = EngineMetrics(sink, self.model_name, flush_interval_s)
 
     @classmethod
     def from_engine_args(
@@ -110,7 +120,9 @@ class LLMEngine:
             prompt_text, prompt_ids = None, list(prompt)
         self._check_prompt(prompt_ids)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        parent = _ParentRequest(request_id, prompt_text, prompt_ids)
+        parent = _ParentRequest(
+            request_id, prompt_text, prompt_ids, times=RequestTimes(arrival_time)
+        )
         children = []
         for i in range(sampling_params.n):
             params = sampling_params
@@ -165,15 +177,20 @@ class LLMEngine:
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
         sample_ids = []
+        now = time.monotonic()
         for rid in request_ids:
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
+            if self.metrics is not None:
+                self.metrics.request_finished(parent.times, "abort", now)
             for s in parent.samples:
                 sample_ids.append(s.request.request_id)
                 self._sample_parent.pop(s.request.request_id, None)
         if sample_ids:
             self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+        if self.metrics is not None:
+            self.metrics.maybe_flush(self.stats, idle=not self.has_unfinished_requests())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or self.scheduler.has_unfinished_requests()
@@ -185,6 +202,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        if self.metrics is not None:
+            self._record_scheduled(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         touched: dict[str, _ParentRequest] = {}
@@ -203,7 +222,40 @@ class LLMEngine:
                 del self._parents[parent_id]
                 for s in parent.samples:
                     self._sample_parent.pop(s.request.request_id, None)
+        if self.metrics is not None:
+            self._record_step(scheduler_output, touched.values())
         return outputs
+
+    def _record_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            parent = self._parents.get(self._sample_parent.get(new_req.req_id, ""))
+            if parent is not None:
+                self.metrics.request_scheduled(parent.times, now)
+
+    def _record_step(
+        self, scheduler_output: SchedulerOutput, touched: Iterable[_ParentRequest]
+    ) -> None:
+        metrics, now = self.metrics, time.monotonic()
+        for parent in touched:
+            num_generated = sum(s.request.num_output_tokens for s in parent.samples)
+            if num_generated > parent.num_generated:
+                metrics.request_tokens(
+                    parent.times,
+                    num_generated - parent.num_generated,
+                    len(parent.prompt_token_ids),
+                    now,
+                )
+                parent.num_generated = num_generated
+            if parent.finished:
+                # A request of n samples counts once, under its first sample's reason.
+                reason = parent.samples[0].request.status.finish_reason
+                metrics.request_finished(parent.times, reason, now)
+        metrics.step(
+            scheduler_output.total_num_scheduled_tokens,
+            len(scheduler_output.num_scheduled_tokens),
+        )
+        metrics.maybe_flush(self.stats, idle=not self.has_unfinished_requests())
 
     def _process_sample(self, sample: _Sample, logprobs: TokenLogprobs | None) -> None:
         request = sample.request

@@ -228,7 +228,8 @@ def test_request_timeout_aborts_and_frees_kv(served):
 
 def test_overload_gets_429_quickly_and_admitted_requests_finish(served):
     url, _ = served
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
+    # Long enough that no admitted request finishes while the burst is still arriving.
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "ignore_eos": True}
     n_requests = 40
     capacity = ARGS["max_ongoing_requests"] + ARGS["max_queued_requests"]
 
@@ -246,7 +247,7 @@ def test_overload_gets_429_quickly_and_admitted_requests_finish(served):
     assert all(r.headers.get("retry-after") for r, _ in results if r.status_code == 429)
     for response, _ in results:
         if response.status_code == 200:
-            assert response.json()["usage"]["completion_tokens"] == 8
+            assert response.json()["usage"]["completion_tokens"] == 32
     assert _post(url, "/v1/completions", {**body, "max_tokens": 2}).status_code == 200
 
 
