@@ -101,8 +101,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def hf_model_for(args: argparse.Namespace, dtype: torch.dtype):
     """The same shape through transformers, random weights on the GPU."""
-    from engine.models.shapes import get_shape_config
     from transformers import AutoModelForCausalLM
+
+    from engine.models.shapes import get_shape_config
 
     config = get_shape_config(args.model_shape)
     with torch.device("cuda"):
