@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.loader import ModelSource
@@ -33,6 +34,13 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    supports_overlap = False
+    """True when execute_model_async returns before the step ends, so the engine can
+    schedule step t+1 while step t runs (the workers feed it step t's tokens on the device)."""
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return _Done(self.execute_model(scheduler_output))
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
@@ -40,8 +48,22 @@ class Executor(ABC):
         pass
 
 
+class PendingOutput(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class _Done:
+    def __init__(self, output: ModelRunnerOutput):
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class UniProcExecutor(Executor):
     """One worker in this process: TP = PP = 1 (CPU tests, one GPU)."""
+
+    supports_overlap = True
 
     def __init__(self, config: EngineConfig, hf_config, source: ModelSource):
         super().__init__(config, hf_config, source)
@@ -56,6 +78,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return self.worker.runner.execute_model_async(scheduler_output)
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:

@@ -16,7 +16,7 @@ from engine.cuda_graphs import DecodeCudaGraphs
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.loader import ModelSource, load_model
-from engine.sampler import build_sampling_batch, sample
+from engine.sampler import build_sampling_batch, finish_sampling, sample_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -30,6 +30,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    num_pending: int = 0
+    """Tokens this runner sampled that have not come back in a diff yet (at most 2 with a
+    step in flight); the newest is read from the previous step's device-side samples."""
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -48,6 +51,9 @@ class BatchInputs:
     logits_indices: torch.Tensor
     """Row of the hidden states whose logits are sampled, one per sampling request."""
     sampling_req_ids: list[str] = field(default_factory=list)
+    pending_token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows of input_ids, rows of the previous step's samples) for tokens the host has not
+    seen yet: copied on the device, so scheduling need not wait for the last step."""
 
 
 class ModelRunner:
@@ -61,6 +67,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self._prev_samples: torch.Tensor | None = None
+        self._prev_sample_rows: dict[str, int] = {}
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
 
@@ -182,6 +190,7 @@ class ModelRunner:
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
+            state.num_pending = max(0, state.num_pending - len(cached.new_token_ids))
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -199,25 +208,37 @@ class ModelRunner:
         block_tables = np.zeros((num_reqs, width), dtype=np.int32)
         logits_indices: list[int] = []
         sampling_req_ids: list[str] = []
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
         offset = 0
         for i, (state, n) in enumerate(zip(states, out.num_scheduled_tokens.values())):
             start = state.num_computed_tokens
             end = start + n
             blocks = state.block_ids
             block_tables[i, : len(blocks)] = blocks
+            num_known = len(state.token_ids)
+            if end > num_known:
+                # The last input token was sampled by the step before and is still on the device.
+                if end != num_known + 1 or state.req_id not in self._prev_sample_rows:
+                    raise RuntimeError(f"request {state.req_id}: input tokens are missing")
+                pending_dst.append(offset + n - 1)
+                pending_src.append(self._prev_sample_rows[state.req_id])
+                end_known = num_known
+            else:
+                end_known = end
             if n == 1:
-                input_ids[offset] = state.token_ids[start]
+                input_ids[offset] = state.token_ids[start] if end_known > start else 0
                 positions[offset] = start
                 slots[offset] = blocks[start // bs] * bs + start % bs
             else:
                 pos = np.arange(start, end)
-                input_ids[offset : offset + n] = state.token_ids[start:end]
+                input_ids[offset : offset + end_known - start] = state.token_ids[start:end_known]
                 positions[offset : offset + n] = pos
                 slots[offset : offset + n] = block_tables[i, pos // bs] * bs + pos % bs
             offset += n
             query_start_loc[i + 1] = offset
             seq_lens[i] = end
-            if end == len(state.token_ids):
+            if end == num_known + state.num_pending:
                 logits_indices.append(offset - 1)
                 sampling_req_ids.append(state.req_id)
 
@@ -236,14 +257,29 @@ class ModelRunner:
             attn_metadata=meta,
             logits_indices=_to_device(np.array(logits_indices, dtype=np.int64), dev),
             sampling_req_ids=sampling_req_ids,
+            pending_token_rows=(
+                (
+                    _to_device(np.array(pending_dst, dtype=np.int64), dev),
+                    _to_device(np.array(pending_src, dtype=np.int64), dev),
+                )
+                if pending_dst
+                else None
+            ),
         )
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(out).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, out: SchedulerOutput) -> PendingRunnerOutput:
+        """Launch the step and return at once; `.result()` waits for the sampled tokens."""
         self._update_states(out)
         if out.is_empty:
-            return ModelRunnerOutput()
+            return PendingRunnerOutput.done(ModelRunnerOutput())
         batch = self.prepare_inputs(out)
+        if batch.pending_token_rows is not None:
+            dst, src = batch.pending_token_rows
+            batch.input_ids[dst] = self._prev_samples[src]
         meta = batch.attn_metadata
         graphs = self.cuda_graphs
         if graphs and graphs.can_run(
@@ -254,7 +290,7 @@ class ModelRunner:
             with forward_context(meta):
                 hidden = self.model(batch.input_ids, batch.positions)
         if not batch.sampling_req_ids:
-            return ModelRunnerOutput()
+            return PendingRunnerOutput.done(ModelRunnerOutput())
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         states = [self.requests[r] for r in batch.sampling_req_ids]
         sampling_batch = build_sampling_batch(
@@ -266,14 +302,52 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
         )
-        result = sample(logits, sampling_batch)
-        token_ids = result.token_ids
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.tolist()
-        output = ModelRunnerOutput(sampled_token_ids=dict(zip(batch.sampling_req_ids, token_ids)))
-        for req_id, lp in zip(batch.sampling_req_ids, result.logprobs):
+        sampled, raw_logprobs = sample_on_device(logits, sampling_batch)
+        self._prev_samples = sampled
+        self._prev_sample_rows = {r: i for i, r in enumerate(batch.sampling_req_ids)}
+        for state in states:
+            state.num_pending += 1
+        return PendingRunnerOutput(batch.sampling_req_ids, sampled, raw_logprobs, sampling_batch)
+
+
+class PendingRunnerOutput:
+    """Sampled tokens of a launched step; the copy to the host starts at once."""
+
+    def __init__(self, req_ids, sampled, raw_logprobs, sampling_batch, output=None):
+        self._output = output
+        if output is not None:
+            return
+        self._req_ids = req_ids
+        self._sampled = sampled
+        self._raw_logprobs = raw_logprobs
+        self._batch = sampling_batch
+        self._host = sampled
+        self._event = None
+        if sampled.is_cuda and raw_logprobs is None:
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> PendingRunnerOutput:
+        return cls(None, None, None, None, output=output)
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        if self._raw_logprobs is not None:
+            res = finish_sampling(self._sampled, self._raw_logprobs, self._batch)
+            token_ids, logprobs = res.token_ids, res.logprobs
+        else:
+            if self._event is not None:
+                self._event.synchronize()
+            token_ids, logprobs = self._host.tolist(), ()
+        output = ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, token_ids)))
+        for req_id, lp in zip(self._req_ids, logprobs):
             if lp is not None:
                 output.logprobs[req_id] = lp
+        self._output = output
         return output
 
 
