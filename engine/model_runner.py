@@ -14,6 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.forward_context import AttentionMetadata, forward_context
+from engine.host_staging import HostToDevice
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.loader import ModelSource, load_model
 from engine.sampler import build_sampling_batch, finish_sampling, sample_on_device
@@ -68,6 +69,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: DecodeCudaGraphs | None = None
         self._prev_samples: torch.Tensor | None = None
+        self._h2d = HostToDevice(device)
         self._prev_sample_rows: dict[str, int] = {}
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
@@ -195,6 +197,7 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def prepare_inputs(self, out: SchedulerOutput) -> BatchInputs:
+        self._h2d.next_step()
         bs = self.block_size
         num_reqs = len(out.num_scheduled_tokens)
         num_tokens = out.total_num_scheduled_tokens
@@ -242,25 +245,24 @@ class ModelRunner:
                 logits_indices.append(offset - 1)
                 sampling_req_ids.append(state.req_id)
 
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=_to_device(slots, dev),
-            query_start_loc=_to_device(query_start_loc, dev),
-            seq_lens=_to_device(seq_lens, dev),
-            block_tables=_to_device(block_tables, dev),
+            slot_mapping=self._h2d(slots),
+            query_start_loc=self._h2d(query_start_loc),
+            seq_lens=self._h2d(seq_lens),
+            block_tables=self._h2d(block_tables),
             max_query_len=max(out.num_scheduled_tokens.values()),
             max_seq_len=int(seq_lens.max()),
         )
         return BatchInputs(
-            input_ids=_to_device(input_ids, dev),
-            positions=_to_device(positions, dev),
+            input_ids=self._h2d(input_ids),
+            positions=self._h2d(positions),
             attn_metadata=meta,
-            logits_indices=_to_device(np.array(logits_indices, dtype=np.int64), dev),
+            logits_indices=self._h2d(np.array(logits_indices, dtype=np.int64)),
             sampling_req_ids=sampling_req_ids,
             pending_token_rows=(
                 (
-                    _to_device(np.array(pending_dst, dtype=np.int64), dev),
-                    _to_device(np.array(pending_src, dtype=np.int64), dev),
+                    self._h2d(np.array(pending_dst, dtype=np.int64)),
+                    self._h2d(np.array(pending_src, dtype=np.int64)),
                 )
                 if pending_dst
                 else None
@@ -349,8 +351,3 @@ class PendingRunnerOutput:
                 output.logprobs[req_id] = lp
         self._output = output
         return output
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    # Small per-step arrays: pinning each one costs more than the copy it would speed up.
-    return torch.from_numpy(array).to(device)
