@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.loader import ModelSource
@@ -51,6 +52,11 @@ class Executor(ABC):
             future.set_exception(e)
         return future
 
+    supports_overlap = False
+    """True when execute_model_async returns before the step ends and the workers feed a
+    decode its previous token from their own device-side samples, so the engine can schedule
+    step t+1 before it has read step t's tokens."""
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
@@ -63,8 +69,16 @@ class Executor(ABC):
         pass
 
 
+class PendingOutput(Protocol):
+    """A launched step (a Future, or the runner's pending output)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
 class UniProcExecutor(Executor):
     """One worker in this process: TP = PP = 1 (CPU tests, one GPU)."""
+
+    supports_overlap = True
 
     def __init__(self, config: EngineConfig, hf_config, source: ModelSource):
         super().__init__(config, hf_config, source)
@@ -82,6 +96,9 @@ class UniProcExecutor(Executor):
 
     def step_weight_bytes(self) -> int:
         return self.worker.weight_bytes()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return self.worker.runner.execute_model_async(scheduler_output)
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from engine.config import EngineConfig
-from engine.executor import Executor, get_executor_class
+from engine.executor import Executor, PendingOutput, get_executor_class
 from engine.loader import ModelSource, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -70,6 +70,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.num_gpu_blocks
         )
+        self.scheduler.schedule_placeholders = self.executor.supports_overlap
         eos = getattr(hf_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
@@ -77,6 +78,8 @@ class LLMEngine:
         self.vocab_size: int = hf_config.vocab_size
         self._parents: dict[str, _ParentRequest] = {}
         self._sample_parent: dict[str, str] = {}
+        self._exact_history_parents: set[str] = set()
+        self._pending: tuple[SchedulerOutput, PendingOutput] | None = None
         self.metrics: EngineMetrics | None = None
 
     def enable_metrics(self, sink: MetricsSink, flush_interval_s: float = 1.0) -> None:
@@ -161,6 +164,8 @@ class LLMEngine:
             self._sample_parent[child.request.request_id] = request_id
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
+        if _needs_exact_history(sampling_params):
+            self._exact_history_parents.add(request_id)
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.config.scheduler_config.max_model_len
@@ -179,14 +184,13 @@ class LLMEngine:
         sample_ids = []
         now = time.monotonic()
         for rid in request_ids:
-            parent = self._parents.pop(rid, None)
+            parent = self._parents.get(rid)
             if parent is None:
                 continue
             if self.metrics is not None:
                 self.metrics.request_finished(parent.times, "abort", now)
-            for s in parent.samples:
-                sample_ids.append(s.request.request_id)
-                self._sample_parent.pop(s.request.request_id, None)
+            self._forget(parent)
+            sample_ids.extend(s.request.request_id for s in parent.samples)
         if sample_ids:
             self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
         if self.metrics is not None:
@@ -201,10 +205,32 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step that completed.
+
+        With an executor that can overlap, step t+1 is scheduled and launched before step
+        t's tokens are read back, so the host's work hides behind the device's. Requests
+        whose sampling needs every previous token on the host (penalties, min_tokens) turn
+        the overlap off while they run.
+        """
+        outputs: list[RequestOutput] = []
+        overlap = self.executor.supports_overlap and not self._exact_history_parents
+        if self._pending is not None and not overlap:
+            outputs += self._complete(*self._pending)
+            self._pending = None
         scheduler_output = self.scheduler.schedule()
         if self.metrics is not None:
             self._record_scheduled(scheduler_output)
-        runner_output = self.executor.execute_model(scheduler_output)
+        launched = self.executor.execute_model_async(scheduler_output)
+        if self._pending is not None:
+            outputs += self._complete(*self._pending)
+        self._pending = (scheduler_output, launched)
+        if not overlap:
+            outputs += self._complete(*self._pending)
+            self._pending = None
+        return outputs
+
+    def _complete(self, scheduler_output: SchedulerOutput, launched: PendingOutput):
+        runner_output = launched.result()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         touched: dict[str, _ParentRequest] = {}
         for request in updated:
@@ -216,12 +242,10 @@ class LLMEngine:
             self._process_sample(sample, runner_output.logprobs.get(request.request_id))
             touched[parent_id] = parent
         outputs = []
-        for parent_id, parent in touched.items():
+        for parent in touched.values():
             outputs.append(self._make_output(parent))
             if parent.finished:
-                del self._parents[parent_id]
-                for s in parent.samples:
-                    self._sample_parent.pop(s.request.request_id, None)
+                self._forget(parent)
         if self.metrics is not None:
             self._record_step(scheduler_output, touched.values())
         return outputs
@@ -256,6 +280,12 @@ class LLMEngine:
             len(scheduler_output.num_scheduled_tokens),
         )
         metrics.maybe_flush(self.stats, idle=not self.has_unfinished_requests())
+
+    def _forget(self, parent: _ParentRequest) -> None:
+        self._parents.pop(parent.request_id, None)
+        self._exact_history_parents.discard(parent.request_id)
+        for s in parent.samples:
+            self._sample_parent.pop(s.request.request_id, None)
 
     def _process_sample(self, sample: _Sample, logprobs: TokenLogprobs | None) -> None:
         request = sample.request
@@ -302,6 +332,16 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _needs_exact_history(params: SamplingParams) -> bool:
+    """Sampling that reads every previous output token on the host."""
+    return (
+        params.min_tokens > 0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
 
 
 def _sample_index(sample_id: str, parent: _ParentRequest) -> int:

@@ -21,9 +21,10 @@ from engine.distributed import (
     send_intermediate_tensors,
 )
 from engine.forward_context import AttentionMetadata, forward_context
+from engine.host_staging import HostToDevice
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.loader import ModelSource, load_model
-from engine.sampler import build_sampling_batch, sample
+from engine.sampler import build_sampling_batch, finish_sampling, sample_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -37,6 +38,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    num_pending: int = 0
+    """Tokens this runner sampled that have not come back in a diff yet (at most 2 with a
+    step in flight); the newest is read from the previous step's device-side samples."""
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -55,6 +59,9 @@ class BatchInputs:
     logits_indices: torch.Tensor
     """Row of the hidden states whose logits are sampled, one per sampling request."""
     sampling_req_ids: list[str] = field(default_factory=list)
+    pending_token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows of input_ids, rows of the previous step's samples) for tokens the host has not
+    seen yet: copied on the device, so scheduling need not wait for the last step."""
 
 
 INTERMEDIATE_KEYS = ["hidden_states", "residual"]
@@ -79,6 +86,9 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self._prev_samples: torch.Tensor | None = None
+        self._h2d = HostToDevice(device)
+        self._prev_sample_rows: dict[str, int] = {}
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
         self.is_first_stage = get_pp_rank() == 0
@@ -214,10 +224,12 @@ class ModelRunner:
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
+            state.num_pending = max(0, state.num_pending - len(cached.new_token_ids))
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def prepare_inputs(self, out: SchedulerOutput) -> BatchInputs:
+        self._h2d.next_step()
         bs = self.block_size
         num_reqs = len(out.num_scheduled_tokens)
         num_tokens = out.total_num_scheduled_tokens
@@ -231,51 +243,77 @@ class ModelRunner:
         block_tables = np.zeros((num_reqs, width), dtype=np.int32)
         logits_indices: list[int] = []
         sampling_req_ids: list[str] = []
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
         offset = 0
         for i, (state, n) in enumerate(zip(states, out.num_scheduled_tokens.values())):
             start = state.num_computed_tokens
             end = start + n
             blocks = state.block_ids
             block_tables[i, : len(blocks)] = blocks
+            num_known = len(state.token_ids)
+            if end > num_known:
+                # The last input token was sampled by the step before and is still on the device.
+                if end != num_known + 1 or state.req_id not in self._prev_sample_rows:
+                    raise RuntimeError(f"request {state.req_id}: input tokens are missing")
+                pending_dst.append(offset + n - 1)
+                pending_src.append(self._prev_sample_rows[state.req_id])
+                end_known = num_known
+            else:
+                end_known = end
             if n == 1:
-                input_ids[offset] = state.token_ids[start]
+                input_ids[offset] = state.token_ids[start] if end_known > start else 0
                 positions[offset] = start
                 slots[offset] = blocks[start // bs] * bs + start % bs
             else:
                 pos = np.arange(start, end)
-                input_ids[offset : offset + n] = state.token_ids[start:end]
+                input_ids[offset : offset + end_known - start] = state.token_ids[start:end_known]
                 positions[offset : offset + n] = pos
                 slots[offset : offset + n] = block_tables[i, pos // bs] * bs + pos % bs
             offset += n
             query_start_loc[i + 1] = offset
             seq_lens[i] = end
-            if end == len(state.token_ids):
+            if end == num_known + state.num_pending:
                 logits_indices.append(offset - 1)
                 sampling_req_ids.append(state.req_id)
 
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=_to_device(slots, dev),
-            query_start_loc=_to_device(query_start_loc, dev),
-            seq_lens=_to_device(seq_lens, dev),
-            block_tables=_to_device(block_tables, dev),
+            slot_mapping=self._h2d(slots),
+            query_start_loc=self._h2d(query_start_loc),
+            seq_lens=self._h2d(seq_lens),
+            block_tables=self._h2d(block_tables),
             max_query_len=max(out.num_scheduled_tokens.values()),
             max_seq_len=int(seq_lens.max()),
         )
         return BatchInputs(
-            input_ids=_to_device(input_ids, dev),
-            positions=_to_device(positions, dev),
+            input_ids=self._h2d(input_ids),
+            positions=self._h2d(positions),
             attn_metadata=meta,
-            logits_indices=_to_device(np.array(logits_indices, dtype=np.int64), dev),
+            logits_indices=self._h2d(np.array(logits_indices, dtype=np.int64)),
             sampling_req_ids=sampling_req_ids,
+            pending_token_rows=(
+                (
+                    self._h2d(np.array(pending_dst, dtype=np.int64)),
+                    self._h2d(np.array(pending_src, dtype=np.int64)),
+                )
+                if pending_dst
+                else None
+            ),
         )
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(out).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, out: SchedulerOutput) -> PendingRunnerOutput:
+        """Launch the step and return at once; `.result()` waits for the sampled tokens."""
         self._update_states(out)
         if out.is_empty:
-            return ModelRunnerOutput()
+            return PendingRunnerOutput.done(ModelRunnerOutput())
         batch = self.prepare_inputs(out)
+        if batch.pending_token_rows is not None:
+            dst, src = batch.pending_token_rows
+            batch.input_ids[dst] = self._prev_samples[src]
         meta = batch.attn_metadata
         graphs = self.cuda_graphs
         if graphs and graphs.can_run(
@@ -293,13 +331,13 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions, intermediate)
         if not self.is_last_stage:
             send_intermediate_tensors(hidden)
-            return ModelRunnerOutput()
+            return PendingRunnerOutput.done(ModelRunnerOutput())
         if not batch.sampling_req_ids:
-            return ModelRunnerOutput()
+            return PendingRunnerOutput.done(ModelRunnerOutput())
         # Every tensor-parallel rank joins the logits all-gather; only the driver samples.
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if not self.is_driver:
-            return ModelRunnerOutput()
+            return PendingRunnerOutput.done(ModelRunnerOutput())
         states = [self.requests[r] for r in batch.sampling_req_ids]
         sampling_batch = build_sampling_batch(
             params=[s.sampling_params for s in states],
@@ -310,17 +348,50 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
         )
-        result = sample(logits, sampling_batch)
-        token_ids = result.token_ids
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.tolist()
-        output = ModelRunnerOutput(sampled_token_ids=dict(zip(batch.sampling_req_ids, token_ids)))
-        for req_id, lp in zip(batch.sampling_req_ids, result.logprobs):
+        sampled, raw_logprobs = sample_on_device(logits, sampling_batch)
+        self._prev_samples = sampled
+        self._prev_sample_rows = {r: i for i, r in enumerate(batch.sampling_req_ids)}
+        for state in states:
+            state.num_pending += 1
+        return PendingRunnerOutput(batch.sampling_req_ids, sampled, raw_logprobs, sampling_batch)
+
+
+class PendingRunnerOutput:
+    """Sampled tokens of a launched step; the copy to the host starts at once."""
+
+    def __init__(self, req_ids, sampled, raw_logprobs, sampling_batch, output=None):
+        self._output = output
+        if output is not None:
+            return
+        self._req_ids = req_ids
+        self._sampled = sampled
+        self._raw_logprobs = raw_logprobs
+        self._batch = sampling_batch
+        self._host = sampled
+        self._event = None
+        if sampled.is_cuda and raw_logprobs is None:
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> PendingRunnerOutput:
+        return cls(None, None, None, None, output=output)
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        if self._raw_logprobs is not None:
+            res = finish_sampling(self._sampled, self._raw_logprobs, self._batch)
+            token_ids, logprobs = res.token_ids, res.logprobs
+        else:
+            if self._event is not None:
+                self._event.synchronize()
+            token_ids, logprobs = self._host.tolist(), ()
+        output = ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, token_ids)))
+        for req_id, lp in zip(self._req_ids, logprobs):
             if lp is not None:
                 output.logprobs[req_id] = lp
+        self._output = output
         return output
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    # Small per-step arrays: pinning each one costs more than the copy it would speed up.
-    return torch.from_numpy(array).to(device)

@@ -71,6 +71,8 @@ class Request:
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache when the request was first scheduled."""
         self.num_preemptions = 0
+        self.num_output_placeholders = 0
+        """Tokens sampled by a step still in flight, not yet appended (asynchronous scheduling)."""
         self.block_hashes: list[BlockHash] = []
         """Chained hashes of the full blocks of all_token_ids, filled by the KV-cache manager."""
 

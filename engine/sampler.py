@@ -139,6 +139,22 @@ def build_sampling_batch(
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
     """Sample one token per row of `logits` [B, V'] (V' >= vocab_size; padding is dropped)."""
+    sampled, raw_logprobs = sample_on_device(logits, batch)
+    return finish_sampling(sampled, raw_logprobs, batch)
+
+
+def finish_sampling(
+    sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch
+) -> SamplerResult:
+    """The host side of sampling: token ids (and logprobs) as Python values; syncs."""
+    token_ids = sampled.tolist()
+    return SamplerResult(token_ids, _gather_logprobs(raw_logprobs, sampled, token_ids, batch))
+
+
+def sample_on_device(
+    logits: torch.Tensor, batch: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sampled ids [B], raw logprobs [B, V] or None) without waiting for the device."""
     # A private float32 copy: everything below works in place, the caller's logits stay intact.
     logits = logits[:, : batch.vocab_size].to(torch.float32, copy=True)
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
@@ -167,8 +183,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
         if greedy_ids is not None:
             sampled = torch.where(batch.greedy, greedy_ids, sampled)
 
-    token_ids = sampled.tolist()
-    return SamplerResult(token_ids, _gather_logprobs(raw_logprobs, sampled, token_ids, batch))
+    return sampled, raw_logprobs
 
 
 def apply_penalties(

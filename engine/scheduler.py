@@ -40,6 +40,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_req_ids: set[str] = set()
+        self.schedule_placeholders = False
+        """Schedule a request again while its sampled token is in flight. Only for executors
+        whose workers feed that token from their own device-side samples (supports_overlap);
+        otherwise a request waits for its token, and steps in flight carry other requests."""
         self._num_sent_tokens: dict[str, int] = {}
         """req id -> how many of its tokens the workers hold (sent in full or as diffs)."""
 
@@ -126,7 +130,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_wanted(request), budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -185,8 +189,30 @@ class Scheduler:
         self._finished_req_ids = set()
         # Advance now, as if the step already ran: update_from_output only appends tokens.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         return output
+
+    def _num_wanted(self, request: Request) -> int:
+        """Tokens a running request can compute now.
+
+        With a step in flight (asynchronous scheduling) a request's sampled token is not yet
+        appended: it counts as a placeholder, computed next step from the device-side value.
+        A request whose in-flight token is its last (max_tokens, max_model_len) waits.
+        """
+        if not self.schedule_placeholders:
+            return request.num_tokens - request.num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders:
+            max_tokens = request.sampling_params.max_tokens
+            num_outputs = request.num_output_tokens + placeholders
+            if (max_tokens is not None and num_outputs >= max_tokens) or (
+                request.num_tokens + placeholders >= self.max_model_len
+            ):
+                return 0
+        return request.num_tokens + placeholders - request.num_computed_tokens
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -198,10 +224,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if token is None or request is None or request.is_finished:
                 continue
+            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             request.append_output_token_ids(token)
             status = self._check_stop(request)
             if status is not None:
-                self.running.remove(request)
+                # A request preempted while its step was in flight waits in the queue.
+                queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+                queue.remove(request)
                 self._finish(request, status)
             updated.append(request)
         return updated

@@ -48,13 +48,13 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def _run(model_dir: str, prompts, torch_kernels: bool, enforce_eager: bool):
+def _run(model_dir: str, prompts, torch_kernels: bool, enforce_eager: bool, dtype: str):
     old = os.environ.get("KVRAY_TORCH_KERNELS")
     os.environ["KVRAY_TORCH_KERNELS"] = "1" if torch_kernels else "0"
     try:
         llm = LLM(
             model=model_dir,
-            dtype="bfloat16",
+            dtype=dtype,
             max_model_len=512,
             max_num_seqs=32,
             enforce_eager=enforce_eager,
@@ -71,22 +71,38 @@ def _run(model_dir: str, prompts, torch_kernels: bool, enforce_eager: bool):
             os.environ["KVRAY_TORCH_KERNELS"] = old
 
 
-def test_triton_and_graphs_match_reference(model_dir):
+def _prompts():
     gen = torch.Generator().manual_seed(1)
     # Lengths that are not multiples of the block size; batch of 20 decodes in graphs.
-    prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in range(5, 105, 5)]
-    fast = _run(model_dir, prompts, torch_kernels=False, enforce_eager=False)
-    ref = _run(model_dir, prompts, torch_kernels=True, enforce_eager=True)
-    matched_steps = 0
+    return [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in range(5, 105, 5)]
+
+
+def _matched_steps(fast, ref, tolerance: float) -> int:
+    """Steps where both paths chose the same token with logprobs within `tolerance`. Where
+    they first part, the choice must be a tie at that tolerance in the reference."""
+    matched = 0
     for f, r in zip(fast, ref, strict=True):
         for step, (a, b) in enumerate(zip(f.token_ids, r.token_ids, strict=True)):
             if a != b:
-                # Only a near-tie may flip greedy: then both paths must see it as one.
                 top = r.logprobs[step].top
                 assert a in top, f"step {step}: token {a} not in the reference's top-5"
-                assert abs(top[a] - top[b]) < BF16_LOGPROB_TOL, f"step {step}: not a tie"
+                assert abs(top[a] - top[b]) <= tolerance, f"step {step}: not a tie"
                 break
-            assert abs(f.logprobs[step].logprob - r.logprobs[step].logprob) < BF16_LOGPROB_TOL
-            matched_steps += 1
-    # Ties are rare on peaked distributions: most steps must have been compared.
-    assert matched_steps >= len(prompts) * STEPS // 2, f"{matched_steps} steps matched"
+            assert abs(f.logprobs[step].logprob - r.logprobs[step].logprob) <= tolerance
+            matched += 1
+    return matched
+
+
+def test_float32_fast_path_gives_the_reference_tokens(model_dir):
+    """In float32 (tf32 dots in the Triton attention) the paths differ by rounding only."""
+    prompts = _prompts()
+    fast = _run(model_dir, prompts, torch_kernels=False, enforce_eager=False, dtype="float32")
+    ref = _run(model_dir, prompts, torch_kernels=True, enforce_eager=True, dtype="float32")
+    assert _matched_steps(fast, ref, tolerance=1e-2) >= 0.9 * len(prompts) * STEPS
+
+
+def test_bf16_fast_path_matches_reference_up_to_ties(model_dir):
+    prompts = _prompts()
+    fast = _run(model_dir, prompts, torch_kernels=False, enforce_eager=False, dtype="bfloat16")
+    ref = _run(model_dir, prompts, torch_kernels=True, enforce_eager=True, dtype="bfloat16")
+    assert _matched_steps(fast, ref, BF16_LOGPROB_TOL) >= len(prompts) * 4

@@ -197,3 +197,26 @@ def test_stop_strings_and_n_and_chat():
 
     chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=8))
     assert chat[0].outputs[0].token_ids
+
+
+def test_overlapped_steps_match_synchronous_steps():
+    """Scheduling step t+1 while step t runs changes no output, also with stops, n > 1,
+    penalties (which turn the overlap off while they run) and chunked prefill."""
+    llm = LLM(max_num_batched_tokens=48)
+    prompts = PROMPTS[:4]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=20, stop=["."]),
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=9),
+        SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3),
+    ]
+    assert llm.engine.executor.supports_overlap
+    overlapped = llm.generate(prompts, params)
+    llm.engine.executor.supports_overlap = False
+    synchronous = llm.generate(prompts, params)
+    for a, b in zip(overlapped, synchronous, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
+        assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
+    assert len(overlapped[0].outputs[0].token_ids) == 12
+    assert llm.engine.stats()["kv_cache_usage"] == 0
