@@ -215,9 +215,20 @@ class RayActorGroupExecutor(Executor):
             self._dead = WorkerDiedError(f"a worker of the actor group died: {e}")
             raise self._dead from e
         except RayTaskError as e:
-            # A worker raised: hand its own exception (e.g. a ValueError about the model) on.
             cause = e.cause if isinstance(e.cause, Exception) else e
+            # A rank's collective fails when a peer dies, often before Ray reports the death.
+            if self._a_worker_is_gone():
+                self._dead = WorkerDiedError(f"a worker of the actor group died ({cause})")
+                raise self._dead from e
+            # Otherwise a worker raised: hand its own exception (e.g. a ValueError) on.
             raise cause from None
+
+    def _a_worker_is_gone(self) -> bool:
+        try:
+            ray.get([w.ping.remote() for w in self.workers], timeout=HEALTH_TIMEOUT_S)
+        except Exception:
+            return True
+        return False
 
     def determine_num_blocks(self) -> int:
         return min(self._get([w.determine_num_blocks.remote() for w in self.workers]))
