@@ -88,17 +88,6 @@ def copy_bandwidth_gbs() -> float:
     return 2 * n * 2 / t / 1e9
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    seen = set()
-    total = 0
-    for p in model.parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    return total
-
-
 def hf_model_for(args: argparse.Namespace, dtype: torch.dtype):
     """The same shape through transformers, random weights on the GPU."""
     from transformers import AutoModelForCausalLM
