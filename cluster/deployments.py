@@ -150,6 +150,21 @@ def _cancel(replies: Any) -> None:
         pass
 
 
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends.
+
+    When the client goes away while the generator waits at a `yield`, Starlette stops
+    iterating but leaves the generator open; its `finally` (abort downstream, release the
+    tenant's slot) would wait for the garbage collector.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
 class OpenAIIngress:
@@ -299,7 +314,7 @@ class OpenAIIngress:
                 tenant, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
             )
             return JSONResponse(first)
-        return StreamingResponse(
+        return _ClosingStreamingResponse(
             self._stream(first, replies, lease, tenant), media_type="text/event-stream"
         )
 
