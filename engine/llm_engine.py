@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ class LLMEngine:
             config.scheduler_config, config.cache_config, self.num_gpu_blocks
         )
         self.scheduler.schedule_placeholders = self.executor.supports_overlap
+        self.scheduler.num_micro_batches = self.executor.max_concurrent_batches
         eos = getattr(hf_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
@@ -79,7 +81,8 @@ class LLMEngine:
         self._parents: dict[str, _ParentRequest] = {}
         self._sample_parent: dict[str, str] = {}
         self._exact_history_parents: set[str] = set()
-        self._pending: tuple[SchedulerOutput, PendingOutput] | None = None
+        self._pending: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        """Steps launched whose tokens are not read yet, oldest first."""
         self.metrics: EngineMetrics | None = None
 
     def enable_metrics(self, sink: MetricsSink, flush_interval_s: float = 1.0) -> None:
@@ -205,29 +208,38 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step that completed.
+        """Schedule and launch one step; return the outputs of the steps that completed.
 
         With an executor that can overlap, step t+1 is scheduled and launched before step
         t's tokens are read back, so the host's work hides behind the device's. Requests
         whose sampling needs every previous token on the host (penalties, min_tokens) turn
-        the overlap off while they run.
+        the overlap off while they run. With pipeline stages, up to one step per stage is in
+        flight, each carrying other requests, so that every stage has work.
         """
         outputs: list[RequestOutput] = []
-        overlap = self.executor.supports_overlap and not self._exact_history_parents
-        if self._pending is not None and not overlap:
-            outputs += self._complete(*self._pending)
-            self._pending = None
+        max_pending = self._max_pending()
+        while len(self._pending) > max_pending:
+            outputs += self._complete(*self._pending.popleft())
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
+            # Every runnable request waits for a step in flight: read that one, then schedule
+            # again (this step's finished ids go to the workers with the next step).
+            self.scheduler.defer_finished(scheduler_output)
+            outputs += self._complete(*self._pending.popleft())
+            scheduler_output = self.scheduler.schedule()
         if self.metrics is not None:
             self._record_scheduled(scheduler_output)
-        launched = self.executor.execute_model_async(scheduler_output)
-        if self._pending is not None:
-            outputs += self._complete(*self._pending)
-        self._pending = (scheduler_output, launched)
-        if not overlap:
-            outputs += self._complete(*self._pending)
-            self._pending = None
+        self._pending.append(
+            (scheduler_output, self.executor.execute_model_async(scheduler_output))
+        )
+        while len(self._pending) > max_pending:
+            outputs += self._complete(*self._pending.popleft())
         return outputs
+
+    def _max_pending(self) -> int:
+        """Steps that may stay in flight when step() returns."""
+        overlap = self.executor.supports_overlap and not self._exact_history_parents
+        return max(self.executor.max_concurrent_batches, 2 if overlap else 1) - 1
 
     def _complete(self, scheduler_output: SchedulerOutput, launched: PendingOutput):
         runner_output = launched.result()

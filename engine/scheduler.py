@@ -44,6 +44,9 @@ class Scheduler:
         """Schedule a request again while its sampled token is in flight. Only for executors
         whose workers feed that token from their own device-side samples (supports_overlap);
         otherwise a request waits for its token, and steps in flight carry other requests."""
+        self.num_micro_batches = 1
+        """Steps in flight at once (one per pipeline stage): each step takes about 1/n of the
+        requests, so that while one batch is in stage 2 the next has work for stage 1."""
         self._num_sent_tokens: dict[str, int] = {}
         """req id -> how many of its tokens the workers hold (sent in full or as diffs)."""
 
@@ -126,9 +129,10 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted = False
+        max_seqs = self._max_seqs_this_step()
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_seqs:
             request = self.running[i]
             num_new = min(self._num_wanted(request), budget)
             if num_new == 0:
@@ -161,6 +165,7 @@ class Scheduler:
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_seqs
         ):
             request = self.waiting[0]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
@@ -194,6 +199,16 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
         return output
+
+    def defer_finished(self, output: SchedulerOutput) -> None:
+        """Send an unlaunched (empty) output's finished ids with the next step instead."""
+        self._finished_req_ids |= output.finished_req_ids
+
+    def _max_seqs_this_step(self) -> int:
+        if self.num_micro_batches == 1:
+            return self.config.max_num_seqs
+        num_requests = len(self.running) + len(self.waiting)
+        return max(1, -(-num_requests // self.num_micro_batches))
 
     def _num_wanted(self, request: Request) -> int:
         """Tokens a running request can compute now.

@@ -213,6 +213,38 @@ def test_max_num_seqs_caps_the_batch():
         assert request.status == RequestStatus.FINISHED_LENGTH
 
 
+def test_pipeline_micro_batches_split_the_requests_and_keep_outputs():
+    scheduler = make_scheduler()
+    scheduler.num_micro_batches = 2
+    runner = FakeRunner()
+    requests = [make_request(f"r{i}", 5 + i, arrival_time=i, max_tokens=6) for i in range(5)]
+    for request in requests:
+        scheduler.add_request(request)
+    in_flight: list[SchedulerOutput] = []
+    batch_sizes = []
+    while scheduler.has_unfinished_requests() or in_flight:
+        unfinished = scheduler.get_num_unfinished_requests()
+        out = scheduler.schedule()
+        # Each of the two batches takes at most half of the unfinished requests.
+        assert len(out.num_scheduled_tokens) <= -(-unfinished // 2)
+        if not out.is_empty:
+            # A batch never holds a request whose token is still in flight in the other one.
+            assert not set(out.num_scheduled_tokens) & {
+                r for o in in_flight for r in o.num_scheduled_tokens
+            }
+            in_flight.append(out)
+            batch_sizes.append(len(out.num_scheduled_tokens))
+        else:
+            scheduler.defer_finished(out)
+        if len(in_flight) == 2 or (in_flight and out.is_empty):
+            oldest = in_flight.pop(0)
+            scheduler.update_from_output(oldest, runner.execute(oldest))
+            check_scheduler(scheduler)
+    assert batch_sizes[:2] == [3, 2]
+    for request in requests:
+        assert request.output_token_ids == reference_outputs(request, 6)
+
+
 def admission_order(scheduler: Scheduler, requests: list[Request]) -> list[str]:
     for request in requests:
         scheduler.add_request(request)
