@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from engine.bundled import bundled_model_path
 from engine.layers.norm import RMSNorm
@@ -95,7 +96,7 @@ def load_model(
         )
     with torch.no_grad():
         if source.kind == "dummy":
-            init_dummy_weights(model, seed)
+            init_dummy_weights(model, hf_config, seed)
         else:
             path = Path(source.path)
             if source.kind == "gguf":
@@ -106,7 +107,7 @@ def load_model(
             else:
                 loaded = _load_safetensors(model, path)
             if loaded is not None:
-                _check_all_loaded(model, loaded, path)
+                _check_all_loaded(model, loaded, str(path))
     return model.eval()
 
 
@@ -120,17 +121,52 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def _check_all_loaded(model: nn.Module, loaded: set[str], path: Path) -> None:
+def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
-        raise ValueError(f"{path}: no checkpoint weights for {shown}")
+        raise ValueError(f"{source}: no checkpoint weights for {shown}")
 
 
-def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Seeded N(0, 0.02) weights, generated where the parameters live; norm weights at 1."""
+def init_dummy_weights(model: nn.Module, hf_config: PretrainedConfig, seed: int = 0) -> None:
+    """Seeded N(0, 0.02) weights, norm weights at 1, the same for every TP x PP layout.
+
+    Each full checkpoint tensor (HF names and shapes, from a meta-device transformers model)
+    is generated from a seed of its own where the parameters live, then loaded through the
+    model's weight loaders, so that shards of TP=2 or stages of PP=2 hold exactly the
+    weights of TP=1. Models transformers cannot build get per-parameter weights instead.
+    """
+    try:
+        with torch.device("meta"):
+            reference = AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, KeyError):
+        reference = None
+    targets = getattr(model, "weight_targets", None)
+    if reference is None or targets is None:
+        _init_dummy_parameters(model, seed)
+        return
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, meta in reference.state_dict().items():
+            if not targets(name):
+                continue  # another pipeline stage's, or the tied LM head
+            if "norm" in name.rsplit(".", 2)[-2]:
+                yield name, torch.ones(meta.shape, dtype=dtype, device=device)
+                continue
+            generator = torch.Generator(device).manual_seed(
+                seed * 1_000_003 + zlib.crc32(name.encode())
+            )
+            tensor = torch.empty(meta.shape, dtype=dtype, device=device)
+            yield name, tensor.normal_(0.0, 0.02, generator=generator)
+
+    _check_all_loaded(model, model.load_weights(tensors()), "dummy weights")
+
+
+def _init_dummy_parameters(model: nn.Module, seed: int) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):

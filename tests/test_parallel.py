@@ -162,6 +162,17 @@ def test_tiny_llama_tp2_pp2_equals_tp1_with_a_batch_in_each_stage(ray_instance, 
         llm.engine.shutdown()
 
 
+def test_dummy_weights_are_the_same_for_every_layout(ray_instance):
+    # Benchmarks compare layouts on dummy weights: TP=2 x PP=2 must hold TP=1's weights.
+    args = dict(model="tiny-llama", load_format="dummy", **TINY_ARGS)
+    want = _tokens(LLM(**args), TOKEN_PROMPTS)
+    llm = LLM(**args, tensor_parallel_size=2, pipeline_parallel_size=2)
+    try:
+        assert _tokens(llm, TOKEN_PROMPTS) == want
+    finally:
+        llm.engine.shutdown()
+
+
 def test_tiny_llama_tp4_pp2_equals_tp1_and_shutdown_leaves_nothing(ray_instance, tiny):
     path, want, _ = tiny
     free_cpus = ray.available_resources().get("CPU")

@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            for param_name, shard_id in self._targets(name):
+            for param_name, shard_id in self.weight_targets(name):
                 param = params.get(param_name)
                 if param is None:
                     raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         module = param_name.split(".")[-2] if "." in param_name else ""
         return len(self.packed_modules_mapping.get(module, [None]))
 
-    def _targets(self, name: str) -> list[tuple[str, Any]]:
+    def weight_targets(self, name: str) -> list[tuple[str, Any]]:
         """The (parameter, shard_id) pairs a checkpoint tensor feeds; [] to skip it here."""
         tied, model = self.tie_word_embeddings, self.model
         if name == "lm_head.weight":
