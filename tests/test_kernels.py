@@ -26,6 +26,20 @@ def gpu_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(fn))
 
 
+# Triton kernels run on the GPU where there is one, else in Triton's interpreter on CPU
+# tensors (tests/conftest.py sets TRITON_INTERPRET=1), so CI checks them too. The
+# interpreter computes bfloat16 dots wrongly: bfloat16 cases run on the GPU only.
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+HALF = torch.bfloat16 if HAS_CUDA else torch.float16
+BIG_BATCH = 256 if HAS_CUDA else 24
+
+
+def triton_test(fn):
+    """A Triton kernel test: marked `gpu` on a GPU machine; interpreted on CPU otherwise."""
+    return pytest.mark.gpu(fn) if HAS_CUDA else fn
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -294,6 +308,7 @@ ATTN_CONFIGS = [
     (32, 1, 128, torch.bfloat16),
     (64, 1, 64, torch.float32),
 ]
+ATTN_CONFIGS = [c for c in ATTN_CONFIGS if c[3] in DTYPES]
 
 
 def scenario(kind: str, seed: int) -> tuple[list[int], list[int]]:
@@ -303,7 +318,8 @@ def scenario(kind: str, seed: int) -> tuple[list[int], list[int]]:
         return torch.randint(lo, hi, (n,), generator=gen).tolist()
 
     if kind == "decode":
-        return [1] * 64, rand(0, 700, 64)
+        num_seqs = 64 if HAS_CUDA else 12  # the interpreter runs one program at a time
+        return [1] * num_seqs, rand(0, 700, num_seqs)
     if kind == "prefill":
         return rand(1, 150, 6), [0, *rand(0, 300, 5)]
     # Mixed: decodes interleaved with prefill chunks over cached prefixes.
@@ -314,12 +330,12 @@ def scenario(kind: str, seed: int) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype", ATTN_CONFIGS, ids=param_id)
-@gpu_test
+@triton_test
 def test_triton_paged_attention(kind, num_heads, num_kv_heads, head_dim, dtype):
     from kernels.triton_attention import paged_attention_triton
 
     q_lens, ctx = scenario(kind, seed=head_dim + num_heads)
-    batch = make_paged_batch(q_lens, ctx, num_heads, num_kv_heads, head_dim, 16, dtype, "cuda")
+    batch = make_paged_batch(q_lens, ctx, num_heads, num_kv_heads, head_dim, 16, dtype, DEVICE)
     assert_matches(paged_attention_triton(**batch), run_ref(batch))
 
 
@@ -328,26 +344,26 @@ def test_triton_paged_attention(kind, num_heads, num_kv_heads, head_dim, dtype):
     [
         ([1], [0]),  # first decode step of a 1-token prompt
         ([1], [4500]),  # one long request: many context partitions
-        ([1] * 256, list(range(3, 256 * 5, 5))),
+        ([1] * BIG_BATCH, list(range(3, BIG_BATCH * 5, 5))),
         ([1, 1], [2999, 20]),  # partitions past the short request's end
         ([300, 1], [0, 33]),  # prefill longer than one query tile
     ],
 )
 @pytest.mark.parametrize("block_size", [16, 32])
-@gpu_test
+@triton_test
 def test_triton_paged_attention_batch_shapes(q_lens, ctx_lens, block_size):
     from kernels.triton_attention import paged_attention_triton
 
-    batch = make_paged_batch(q_lens, ctx_lens, 32, 8, 128, block_size, torch.bfloat16, "cuda")
+    batch = make_paged_batch(q_lens, ctx_lens, 32, 8, 128, block_size, HALF, DEVICE)
     assert_matches(paged_attention_triton(**batch), run_ref(batch))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 7, 64])
-@gpu_test
+@triton_test
 def test_triton_paged_decode_any_split_count(num_splits):
     from kernels.triton_attention import paged_attention_triton
 
-    batch = make_paged_batch([1] * 5, [0, 15, 16, 1000, 2049], 9, 3, 64, 16, torch.float16, "cuda")
+    batch = make_paged_batch([1] * 5, [0, 15, 16, 1000, 2049], 9, 3, 64, 16, torch.float16, DEVICE)
     assert_matches(paged_attention_triton(**batch, num_splits=num_splits), run_ref(batch))
 
 
@@ -365,7 +381,7 @@ def test_triton_paged_decode_replays_in_cuda_graph_with_new_lengths():
         8,
         128,
         block_size,
-        torch.bfloat16,
+        HALF,
         "cuda",
         share_prefix=False,
     )
@@ -388,21 +404,21 @@ def test_triton_paged_decode_replays_in_cuda_graph_with_new_lengths():
         assert_matches(out, ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
 @pytest.mark.parametrize("num_tokens", [1, 37, 300])
-@gpu_test
+@triton_test
 def test_triton_store_kv(dtype, num_tokens):
     from kernels.triton_attention import store_kv_triton
 
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda")
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
     qkv = qkv.to(dtype)
     k_end = (num_heads + num_kv_heads) * head_dim
     key = qkv[:, num_heads * head_dim : k_end].view(num_tokens, num_kv_heads, head_dim)
     value = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
-    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
     slots[::5] = -1
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device="cuda")
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
     cache = cache.to(dtype)
     expected = cache.clone()
     store_kv_ref(key, value, expected, slots)
@@ -410,16 +426,16 @@ def test_triton_store_kv(dtype, num_tokens):
     assert torch.equal(cache, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
 @pytest.mark.parametrize("hidden", [576, 4096, 1000])
-@gpu_test
+@triton_test
 def test_triton_norms(dtype, hidden):
     from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
     # Rows strided inside a wider buffer, as a slice of a larger activation would be.
-    x = (torch.randn(33, hidden + 8, device="cuda") * 3).to(dtype)[:, :hidden]
-    residual = torch.randn(33, hidden, device="cuda").to(dtype)
-    weight = torch.randn(hidden, device="cuda")
+    x = (torch.randn(33, hidden + 8, device=DEVICE) * 3).to(dtype)[:, :hidden]
+    residual = torch.randn(33, hidden, device=DEVICE).to(dtype)
+    weight = torch.randn(hidden, device=DEVICE)
     x0, r0 = x.clone(), residual.clone()
     assert_matches(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
     normed, summed = fused_add_rms_norm_triton(x, residual, weight, 1e-5)
@@ -429,14 +445,14 @@ def test_triton_norms(dtype, hidden):
     assert torch.equal(x, x0) and torch.equal(residual, r0), "inputs must not be mutated"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
-@gpu_test
+@triton_test
 def test_triton_rotary_on_fused_qkv(dtype, num_heads, num_kv_heads, head_dim):
     from kernels.triton_rotary import apply_rotary_triton
 
     num_tokens = 77
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda")
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
     qkv = qkv.to(dtype)
     expected = qkv.clone()
     q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
@@ -445,20 +461,20 @@ def test_triton_rotary_on_fused_qkv(dtype, num_heads, num_kv_heads, head_dim):
         q = t[:, :q_end].view(num_tokens, num_heads, head_dim)
         return q, t[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
 
-    cache = make_cos_sin_cache(8192, head_dim).cuda()
-    positions = torch.randint(0, 8192, (num_tokens,), device="cuda")
+    cache = make_cos_sin_cache(8192, head_dim).to(DEVICE)
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
     apply_rotary_ref(positions, *views(expected), cache)
     apply_rotary_triton(positions, *views(qkv), cache)
     assert_matches(qkv, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
 @pytest.mark.parametrize("inter", [1536, 14336, 100])
-@gpu_test
+@triton_test
 def test_triton_silu_and_mul(dtype, inter):
     from kernels.triton_activation import silu_and_mul_triton
 
-    x = (torch.randn(29, 2 * inter, device="cuda") * 3).to(dtype)
+    x = (torch.randn(29, 2 * inter, device=DEVICE) * 3).to(dtype)
     assert_matches(silu_and_mul_triton(x), silu_and_mul_ref(x))
 
 
