@@ -13,9 +13,23 @@ CHINESE = (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(bundled_model_path())
+class WithoutRustBackend:
+    """The same tokenizer without its `tokenizers` backend in view, as a slow (Python)
+    tokenizer is: the detokenizer then decodes windows itself instead of streaming."""
+
+    _tokenizer = None
+
+    def __init__(self, tokenizer):
+        self._wrapped = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+
+@pytest.fixture(scope="module", params=["rust-stream", "python-window"])
+def tokenizer(request):
+    loaded = load_tokenizer(bundled_model_path())
+    return loaded if request.param == "rust-stream" else WithoutRustBackend(loaded)
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str | None]:
