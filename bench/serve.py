@@ -9,6 +9,10 @@ Requests stream (`stream_options.include_usage`), arrive as a Poisson process at
 TPOT, ITL and end-to-end latency (mean and percentiles), request and token throughput,
 and goodput under an SLO (--goodput ttft:200 tpot:50, in ms); one JSON object out.
 
+--in-process MODEL runs the same workload against kvray's engine in this process (an
+AsyncEngine, no Serve, no HTTP; engine arguments as --engine-arg key=value), so that the
+cost of the Serve + HTTP path is the difference between two runs of this script.
+
 Prompts: random token ids of the requested lengths (--dataset random, lengths uniform in
 len * [1 - ratio, 1 + ratio]) or a ShareGPT-like lognormal mix (--dataset lognormal).
 With --tokenizer they are sent as text (decoded ids; a word-level tokenizer round-trips
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -145,17 +150,79 @@ async def send(
     return result
 
 
+async def send_in_process(
+    engine: Any, args: argparse.Namespace, prompt: Any, prompt_len: int, max_tokens: int
+) -> RequestResult:
+    """One request straight into the engine; a "chunk" is an output with new tokens, as an
+    SSE chunk is one engine step's tokens."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
+    )
+    result = RequestResult(ok=False, prompt_len=prompt_len)
+    start = last = time.perf_counter()
+    num_tokens = 0
+    try:
+        async for output in engine.generate(prompt, params, f"bench-{next(_REQUEST_IDS)}"):
+            n = len(output.outputs[0].token_ids)
+            if n == num_tokens:
+                continue
+            now = time.perf_counter()
+            if num_tokens == 0:
+                result.ttft_s = now - start
+            else:
+                result.itl_s.append(now - last)
+            last, num_tokens = now, n
+            result.prompt_len = len(output.prompt_token_ids)
+    except ValueError as e:
+        result.error = f"ValueError: {e}"
+        return result
+    result.e2e_s = time.perf_counter() - start
+    result.output_len = num_tokens
+    result.ok = num_tokens > 0
+    return result
+
+
+_REQUEST_IDS = itertools.count()
+
+
 def _has_content(choice: dict, chat: bool) -> bool:
     if chat:
         return bool((choice.get("delta") or {}).get("content"))
     return bool(choice.get("text"))
 
 
+async def _arrive(args: argparse.Namespace, requests, one) -> tuple[list[RequestResult], float]:
+    """Start `one(request)` for every request, Poisson-spaced at --request-rate."""
+    rng = np.random.default_rng(args.seed)
+    tasks = []
+    start = time.perf_counter()
+    for request in requests:
+        tasks.append(asyncio.create_task(one(request)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+async def run_in_process(
+    args: argparse.Namespace, requests: list[tuple[Any, int, int]], engine: Any
+) -> tuple[list[RequestResult], float]:
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+    args.model = engine.model_name
+
+    async def one(request: tuple[Any, int, int]) -> RequestResult:
+        async with limit:
+            return await send_in_process(engine, args, *request)
+
+    return await _arrive(args, requests, one)
+
+
 async def run(
     args: argparse.Namespace, requests: list[tuple[Any, int, int]]
 ) -> tuple[list[RequestResult], float]:
     limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
-    rng = np.random.default_rng(args.seed)
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     connector = aiohttp.TCPConnector(limit=0)
@@ -170,14 +237,7 @@ async def run(
             async with limit:
                 return await send(session, args, *request)
 
-        tasks = []
-        start = time.perf_counter()
-        for request in requests:
-            tasks.append(asyncio.create_task(one(request)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        return await _arrive(args, requests, one)
 
 
 def summarize(args: argparse.Namespace, results: list[RequestResult], duration_s: float) -> dict:
@@ -191,7 +251,7 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration_s
     }
     out: dict[str, Any] = {
         "bench": "serve",
-        "base_url": args.base_url,
+        "base_url": "in-process" if args.in_process else args.base_url,
         "endpoint": args.endpoint,
         "model": args.model,
         "dataset": args.dataset,
@@ -224,6 +284,20 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration_s
     if errors:
         out["first_error"] = errors[0]
     return out
+
+
+def parse_engine_args(items: list[str]) -> dict[str, Any]:
+    """KEY=VALUE strings -> engine arguments; values are parsed as JSON where they can be."""
+    engine_args: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg wants KEY=VALUE, got {item!r}")
+        try:
+            engine_args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            engine_args[key] = value
+    return engine_args
 
 
 def parse_slo(items: list[str]) -> dict[str, float]:
@@ -274,6 +348,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-file", default=None, help="write the JSON summary here")
     p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
     p.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
+    p.add_argument(
+        "--in-process",
+        default=None,
+        metavar="MODEL",
+        help="run kvray's engine in this process instead of calling --base-url",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine argument for --in-process (repeatable), e.g. load_format=dummy",
+    )
     return p
 
 
@@ -286,8 +373,21 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = load_tokenizer(args.tokenizer)
     elif args.endpoint.endswith("chat/completions"):
         raise SystemExit("chat prompts are text: give --tokenizer")
+    if args.in_process and args.endpoint.endswith("chat/completions"):
+        raise SystemExit("--in-process sends prompts as completions: leave --endpoint alone")
     requests = make_requests(args, tokenizer)
-    results, duration_s = asyncio.run(run(args, requests))
+    if args.in_process:
+        from engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_engine_args(
+            args.in_process, tokenizer=args.tokenizer, **parse_engine_args(args.engine_arg)
+        )
+        try:
+            results, duration_s = asyncio.run(run_in_process(args, requests, engine))
+        finally:
+            engine.shutdown()
+    else:
+        results, duration_s = asyncio.run(run(args, requests))
     summary = summarize(args, results, duration_s)
     if args.label:
         summary["label"] = args.label

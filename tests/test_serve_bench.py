@@ -103,3 +103,32 @@ def test_requests_are_deterministic_in_the_seed():
     )
     assert bench.make_requests(args, None) != bench.make_requests(other, None)
     assert all(len(prompt) == 6 for prompt, _, _ in bench.make_requests(args, None))
+
+
+def test_in_process_runs_the_same_workload_on_the_engine():
+    summary = bench.main(
+        [
+            "--in-process", "tiny-llama", "--engine-arg", "load_format=dummy",
+            "--engine-arg", "max_model_len=128", "--engine-arg", "num_gpu_blocks=64",
+            "--vocab-size", "1000", "--num-prompts", "6", "--max-concurrency", "3",
+            "--random-input-len", "12", "--random-output-len", "9", "--ignore-eos",
+        ]
+    )  # fmt: skip
+    assert summary["base_url"] == "in-process" and summary["model"] == "tiny-llama"
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_input_tokens"] == 6 * 12
+    assert summary["total_output_tokens"] == 6 * 9
+    # Every token after the first arrives as its own chunk (one step each).
+    assert 0 < summary["mean_ttft_ms"] <= summary["mean_e2el_ms"]
+    assert summary["mean_itl_ms"] > 0
+
+
+def test_engine_args_parse_as_json_where_they_can():
+    assert bench.parse_engine_args(["a=1", "b=true", "c=dummy", "d=0.5"]) == {
+        "a": 1,
+        "b": True,
+        "c": "dummy",
+        "d": 0.5,
+    }
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench.parse_engine_args(["oops"])
