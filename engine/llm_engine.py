@@ -167,7 +167,7 @@ class LLMEngine:
             self._sample_parent[child.request.request_id] = request_id
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
-        if _needs_exact_history(sampling_params):
+        if sampling_params.reads_token_history:
             self._exact_history_parents.add(request_id)
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
@@ -344,16 +344,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _needs_exact_history(params: SamplingParams) -> bool:
-    """Sampling that reads every previous output token on the host."""
-    return (
-        params.min_tokens > 0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-    )
 
 
 def _sample_index(sample_id: str, parent: _ParentRequest) -> int:

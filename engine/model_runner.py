@@ -339,10 +339,14 @@ class ModelRunner:
         if not self.is_driver:
             return PendingRunnerOutput.done(ModelRunnerOutput())
         states = [self.requests[r] for r in batch.sampling_req_ids]
+        params = [s.sampling_params for s in states]
+        # Copies of every request's tokens cost O(length) a step: only when sampling reads them.
+        history = any(p.reads_token_history for p in params)
+        no_tokens: list[int] = []
         sampling_batch = build_sampling_batch(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
+            params=params,
+            prompt_token_ids=[s.prompt_token_ids if history else no_tokens for s in states],
+            output_token_ids=[s.output_token_ids if history else no_tokens for s in states],
             generators=[s.generator for s in states],
             eos_token_id=self.eos_token_id,
             vocab_size=logits.shape[-1],

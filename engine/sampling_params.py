@@ -98,6 +98,16 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def reads_token_history(self) -> bool:
+        """Sampling reads the request's previous tokens (penalties, min_tokens)."""
+        return (
+            self.min_tokens > 0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
     def sampling_type(self) -> SamplingType:
         if self.is_greedy:
             return SamplingType.GREEDY
