@@ -243,6 +243,12 @@ class RayActorGroupExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         return self.pp_size
 
+    @property
+    def supports_overlap(self) -> bool:
+        """Tensor-parallel ranks share the driver's samples on the device (ModelRunner.
+        shares_samples); pipeline stages instead keep one batch per stage in flight."""
+        return self.pp_size == 1
+
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future:
         """Every rank's actor runs its calls in submission order, and stage-to-stage sends
         pair up in that order, so batches queue through the pipeline stage by stage."""

@@ -158,6 +158,14 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
+def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """`x` of tensor-parallel rank `src` into `x` of every rank of the group, in place."""
+    if _state.tp_size == 1:
+        return x
+    dist.broadcast(x, group=_tp_group(), group_src=src)
+    return x
+
+
 def send_intermediate_tensors(tensors: dict[str, torch.Tensor]) -> None:
     """Send a stage's hand-off to the same tensor-parallel rank of the next stage.
 

@@ -17,8 +17,10 @@ from engine.distributed import (
     get_pp_rank,
     get_pp_size,
     get_tp_rank,
+    get_tp_size,
     recv_intermediate_tensors,
     send_intermediate_tensors,
+    tensor_model_parallel_broadcast,
 )
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.host_staging import HostToDevice
@@ -94,6 +96,9 @@ class ModelRunner:
         self.is_first_stage = get_pp_rank() == 0
         self.is_last_stage = get_pp_rank() == get_pp_size() - 1
         self.is_driver = self.is_last_stage and get_tp_rank() == 0
+        self.shares_samples = get_tp_size() > 1 and get_pp_size() == 1
+        """Every tensor-parallel rank gets the driver's samples on the device, so that each
+        can feed a decode its previous token itself (overlapped steps)."""
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -336,27 +341,34 @@ class ModelRunner:
             return PendingRunnerOutput.done(ModelRunnerOutput())
         # Every tensor-parallel rank joins the logits all-gather; only the driver samples.
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if not self.is_driver:
-            return PendingRunnerOutput.done(ModelRunnerOutput())
         states = [self.requests[r] for r in batch.sampling_req_ids]
-        params = [s.sampling_params for s in states]
-        # Copies of every request's tokens cost O(length) a step: only when sampling reads them.
-        history = any(p.reads_token_history for p in params)
-        no_tokens: list[int] = []
-        sampling_batch = build_sampling_batch(
-            params=params,
-            prompt_token_ids=[s.prompt_token_ids if history else no_tokens for s in states],
-            output_token_ids=[s.output_token_ids if history else no_tokens for s in states],
-            generators=[s.generator for s in states],
-            eos_token_id=self.eos_token_id,
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        sampled, raw_logprobs = sample_on_device(logits, sampling_batch)
-        self._prev_samples = sampled
-        self._prev_sample_rows = {r: i for i, r in enumerate(batch.sampling_req_ids)}
         for state in states:
             state.num_pending += 1
+        sampled = sampling_batch = raw_logprobs = None
+        if self.is_driver:
+            params = [s.sampling_params for s in states]
+            # Copies of every request's tokens cost O(length) a step: only when sampling
+            # reads them.
+            history = any(p.reads_token_history for p in params)
+            no_tokens: list[int] = []
+            sampling_batch = build_sampling_batch(
+                params=params,
+                prompt_token_ids=[s.prompt_token_ids if history else no_tokens for s in states],
+                output_token_ids=[s.output_token_ids if history else no_tokens for s in states],
+                generators=[s.generator for s in states],
+                eos_token_id=self.eos_token_id,
+                vocab_size=logits.shape[-1],
+                device=self.device,
+            )
+            sampled, raw_logprobs = sample_on_device(logits, sampling_batch)
+        elif self.shares_samples:
+            sampled = torch.empty(len(states), dtype=torch.long, device=self.device)
+        if self.shares_samples:
+            tensor_model_parallel_broadcast(sampled)
+        self._prev_samples = sampled
+        self._prev_sample_rows = {r: i for i, r in enumerate(batch.sampling_req_ids)}
+        if not self.is_driver:
+            return PendingRunnerOutput.done(ModelRunnerOutput())
         return PendingRunnerOutput(batch.sampling_req_ids, sampled, raw_logprobs, sampling_batch)
 
 

@@ -118,7 +118,11 @@ def _assert_gone(pids: list[int], timeout_s: float = 15.0) -> None:
 def test_smollm2_parallel_greedy_equals_tp1(ray_instance, smollm2, tp, pp):
     llm = LLM(**SMOL_ARGS, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
+        in_flight = _record_steps_in_flight(llm.engine.executor)
         assert _tokens(llm, TEXT_PROMPTS) == smollm2[1]
+        # Tensor-parallel ranks overlap step t+1 with step t (each feeds its decodes the
+        # driver's broadcast samples); pipeline stages each hold a batch.
+        assert max(in_flight) == 1
     finally:
         llm.engine.shutdown()
 
