@@ -212,7 +212,7 @@ class LLMEngine:
 
         With an executor that can overlap, step t+1 is scheduled and launched before step
         t's tokens are read back, so the host's work hides behind the device's. Requests
-        whose sampling needs every previous token on the host (penalties, min_tokens) turn
+        whose sampling needs every previous token on the host (penalties) turn
         the overlap off while they run. With pipeline stages, up to one step per stage is in
         flight, each carrying other requests, so that every stage has work.
         """

@@ -342,6 +342,8 @@ class ModelRunner:
         # Every tensor-parallel rank joins the logits all-gather; only the driver samples.
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         states = [self.requests[r] for r in batch.sampling_req_ids]
+        # Generated before this step's sample: known to the host, plus those in flight.
+        num_outputs = [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states]
         for state in states:
             state.num_pending += 1
         sampled = sampling_batch = raw_logprobs = None
@@ -359,6 +361,7 @@ class ModelRunner:
                 eos_token_id=self.eos_token_id,
                 vocab_size=logits.shape[-1],
                 device=self.device,
+                num_output_tokens=num_outputs,
             )
             sampled, raw_logprobs = sample_on_device(logits, sampling_batch)
         elif self.shares_samples:

@@ -67,13 +67,18 @@ def build_sampling_batch(
     eos_token_id: int | None,
     vocab_size: int,
     device: torch.device | str,
+    num_output_tokens: list[int] | None = None,
 ) -> SamplingBatch:
+    """`num_output_tokens`: tokens each row generated before this one (min_tokens), when
+    `output_token_ids` lacks some (in flight) or is left empty (no penalties to apply)."""
     device = torch.device(device)
     num_rows = len(params)
     if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
         raise ValueError(
             "params, prompt_token_ids, output_token_ids and generators differ in length"
         )
+    if num_output_tokens is None:
+        num_output_tokens = [len(out) for out in output_token_ids]
     greedy = [p.is_greedy for p in params]
     batch = SamplingBatch(vocab_size=vocab_size, all_greedy=all(greedy))
     batch.num_logprobs = [p.logprobs for p in params]
@@ -118,8 +123,8 @@ def build_sampling_batch(
 
     rows: list[int] = []
     cols: list[int] = []
-    for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-        if len(out) >= p.min_tokens:
+    for i, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True)):
+        if num_out >= p.min_tokens:
             continue
         blocked = list(p.stop_token_ids)
         # With ignore_eos, EOS does not end the request, so there is nothing to hold back.

@@ -99,10 +99,10 @@ class SamplingParams:
 
     @property
     def reads_token_history(self) -> bool:
-        """Sampling reads the request's previous tokens (penalties, min_tokens)."""
+        """Sampling reads the request's previous tokens (the penalties). min_tokens needs
+        only their count, which the workers know even while the last token is in flight."""
         return (
-            self.min_tokens > 0
-            or self.presence_penalty != 0.0
+            self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )

@@ -220,3 +220,32 @@ def test_overlapped_steps_match_synchronous_steps():
         assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
     assert len(overlapped[0].outputs[0].token_ids) == 12
     assert llm.engine.stats()["kv_cache_usage"] == 0
+
+
+def test_min_tokens_holds_stops_back_and_keeps_steps_overlapped():
+    llm = LLM()
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24))
+    tokens = free[0].outputs[0].token_ids
+    # A stop token the model emits early: min_tokens must hold it back.
+    stop_id = tokens[1]
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=8, stop_token_ids=[stop_id])
+    assert not params.reads_token_history
+    engine = llm.engine
+    launches_with_one_in_flight = []
+    launch = engine.executor.execute_model_async
+
+    def recording_launch(scheduler_output):
+        launches_with_one_in_flight.append(len(engine._pending))
+        return launch(scheduler_output)
+
+    engine.executor.execute_model_async = recording_launch
+    held = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert max(launches_with_one_in_flight) == 1  # the overlap stayed on
+    assert len(held.token_ids) >= 8 and stop_id not in held.token_ids[:8]
+    # Greedy tokens are the free run's until its first stop id, which is held back.
+    first = tokens.index(stop_id)
+    assert held.token_ids[:first] == tokens[:first]
+    if held.finish_reason == "stop":
+        assert held.token_ids[-1] == stop_id and stop_id not in held.token_ids[8:-1]
+    engine.executor.supports_overlap = False
+    assert llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids == held.token_ids
