@@ -2,6 +2,13 @@
 
 from engine.llm_engine import LLM, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "CompletionOutput",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]

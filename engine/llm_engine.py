@@ -18,7 +18,7 @@ from engine.loader import ModelSource, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
@@ -45,6 +45,8 @@ class _ParentRequest:
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
     num_generated: int = 0
     """Tokens of all samples already counted by metrics."""
+    final_only: bool = False
+    """Make an output only when the request finishes (RequestOutputKind.FINAL_ONLY)."""
 
     @property
     def finished(self) -> bool:
@@ -127,7 +129,11 @@ class LLMEngine:
         self._check_prompt(prompt_ids)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         parent = _ParentRequest(
-            request_id, prompt_text, prompt_ids, times=RequestTimes(arrival_time)
+            request_id,
+            prompt_text,
+            prompt_ids,
+            times=RequestTimes(arrival_time),
+            final_only=sampling_params.output_kind == RequestOutputKind.FINAL_ONLY,
         )
         children = []
         for i in range(sampling_params.n):
@@ -255,8 +261,10 @@ class LLMEngine:
             touched[parent_id] = parent
         outputs = []
         for parent in touched.values():
-            outputs.append(self._make_output(parent))
-            if parent.finished:
+            finished = parent.finished
+            if finished or not parent.final_only:
+                outputs.append(self._make_output(parent))
+            if finished:
                 self._forget(parent)
         if self.metrics is not None:
             self._record_step(scheduler_output, touched.values())
@@ -414,6 +422,14 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
+        # Only finished outputs are returned here: no per-step outputs to build.
+        final_only = {}
+        for params in params_list:
+            if id(params) not in final_only:
+                final_only[id(params)] = dataclasses.replace(
+                    params, output_kind=RequestOutputKind.FINAL_ONLY
+                )
+        params_list = [final_only[id(p)] for p in params_list]
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):

@@ -17,6 +17,13 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0
+    """An output after every step that added tokens, with everything so far."""
+    FINAL_ONLY = 2
+    """Only the finished output (what offline `LLM.generate` returns)."""
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -48,6 +55,7 @@ class SamplingParams:
     """Top-N logprobs to return for each generated token (0: only the sampled token's)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -92,6 +100,13 @@ class SamplingParams:
         self.include_stop_str_in_output = _bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            kinds = ", ".join(k.name for k in RequestOutputKind)
+            raise ValueError(
+                f"output_kind must be one of {kinds}, got {self.output_kind!r}"
+            ) from None
 
     @property
     def is_greedy(self) -> bool:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutputKind, SamplingParams
 from engine.bundled import bundled_model_path
 
 MAX_NEW_TOKENS = 64
@@ -249,3 +251,20 @@ def test_min_tokens_holds_stops_back_and_keeps_steps_overlapped():
         assert held.token_ids[-1] == stop_id and stop_id not in held.token_ids[8:-1]
     engine.executor.supports_overlap = False
     assert llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids == held.token_ids
+
+
+def test_final_only_requests_give_one_output_and_cumulative_ones_one_per_step():
+    llm = LLM()
+    engine = llm.engine
+    final = SamplingParams(temperature=0.0, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
+    steps = dataclasses.replace(final, output_kind=RequestOutputKind.CUMULATIVE)
+    engine.add_request("final", PROMPTS[0], final)
+    engine.add_request("steps", PROMPTS[0], steps)
+    seen: dict[str, list] = {"final": [], "steps": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert [o.finished for o in seen["final"]] == [True]
+    assert [len(o.outputs[0].token_ids) for o in seen["steps"]] == [1, 2, 3, 4, 5, 6]
+    assert seen["final"][0].outputs[0].token_ids == seen["steps"][-1].outputs[0].token_ids
+    assert seen["final"][0].outputs[0].text == seen["steps"][-1].outputs[0].text

@@ -88,6 +88,8 @@ def test_survives_pickling():
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
         ({"skip_special_tokens": 1}, "skip_special_tokens"),
+        ({"output_kind": 1}, "output_kind"),
+        ({"output_kind": "final"}, "output_kind"),
         ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
     ],
 )
