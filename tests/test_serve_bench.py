@@ -132,3 +132,16 @@ def test_engine_args_parse_as_json_where_they_can():
     }
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         bench.parse_engine_args(["oops"])
+
+
+def test_word_tokenizer_round_trips_random_ids(tmp_path):
+    from bench.word_tokenizer import write_word_tokenizer
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(write_word_tokenizer(tmp_path, vocab_size=1000))
+    args = bench.build_parser().parse_args(["--num-prompts", "4", "--random-input-len", "50"])
+    for prompt, prompt_len, _ in bench.make_requests(args, tokenizer):
+        assert isinstance(prompt, str)
+        assert len(tokenizer.encode(prompt, add_special_tokens=False)) == prompt_len == 50
+    ids = list(range(0, 1000, 7))
+    assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids

@@ -1,0 +1,180 @@
+"""The Serve issue's online workloads: `serve run`, then the same loads in process.
+
+    python -m bench.serve_suite --model llama3-8b --load-format dummy [--record]
+
+Starts `serve run serve_app:build_app` with the engine keys given, waits for /health, and
+runs bench/serve.py (random 1024 in / 128 out, EOS ignored, streaming) at concurrency 1,
+Poisson 16 req/s over 500 prompts, 500 prompts at once, and concurrency 32. Then it stops
+Serve and runs concurrency 1 and 32 against an engine in this process with the same seeds
+(same prompts): the Serve + HTTP path's cost is the difference. Each run has its own seed
+(a repeated seed repeats the prompts and rides the prefix cache). One JSON line per run.
+
+Without --tokenizer, a word-level tokenizer of the model's vocabulary is written to a
+temporary folder (bench/word_tokenizer.py), so prompts travel as text as a client's would.
+--quick shrinks every load to a smoke test (a CPU run of a tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench import serve as serve_bench
+
+# (label, seed, bench/serve.py arguments); --quick scales the prompt counts and lengths.
+SERVE_LOADS = [
+    ("concurrency1", 11, ["--num-prompts", "30", "--max-concurrency", "1"]),
+    ("poisson16", 21, ["--num-prompts", "500", "--request-rate", "16"]),
+    ("burst500", 22, ["--num-prompts", "500"]),
+    ("concurrency32", 31, ["--num-prompts", "200", "--max-concurrency", "32"]),
+]
+IN_PROCESS_LOADS = ["concurrency1", "concurrency32"]
+SERVE_URL = "http://127.0.0.1:8000"  # `serve run` of an import path listens here
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--only", nargs="*", default=None, help="load labels to run")
+    parser.add_argument("--skip-in-process", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny loads (a smoke test)")
+    parser.add_argument("--ready-timeout-s", type=float, default=900)
+    parser.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
+    args = parser.parse_args(argv)
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvray-serve-suite-"))
+    tokenizer = args.tokenizer or str(_word_tokenizer(args, workdir / "tokenizer"))
+    engine_keys = {
+        "model": args.model,
+        "load_format": args.load_format,
+        "tokenizer": tokenizer,
+        "max_model_len": args.max_model_len,
+    }
+    loads = [load for load in SERVE_LOADS if args.only is None or load[0] in args.only]
+    base_url = SERVE_URL
+    server = _start_serve(engine_keys, args.serve_arg, workdir / "serve.log")
+    try:
+        _wait_ready(base_url, server, args.ready_timeout_s, workdir / "serve.log")
+        for label, seed, load_args in loads:
+            _run(args, label, seed, load_args, tokenizer, ["--base-url", base_url])
+    finally:
+        _stop(server)
+    if args.skip_in_process:
+        return
+    engine_args = [f"{k}={v}" for k, v in engine_keys.items() if k not in ("model", "tokenizer")]
+    in_process = ["--in-process", args.model]
+    for item in engine_args:
+        in_process += ["--engine-arg", item]
+    for label, seed, load_args in loads:
+        if label in IN_PROCESS_LOADS:
+            _run(args, f"{label}-in-process", seed, load_args, tokenizer, in_process)
+
+
+def _word_tokenizer(args: argparse.Namespace, folder: Path) -> Path:
+    from bench.word_tokenizer import write_word_tokenizer
+    from engine.loader import load_hf_config, resolve_model_source
+
+    hf_config = load_hf_config(resolve_model_source(args.model, args.load_format))
+    return write_word_tokenizer(folder, hf_config.vocab_size)
+
+
+def _run(args, label: str, seed: int, load_args: list[str], tokenizer: str, target: list[str]):
+    input_len, output_len = args.input_len, args.output_len
+    if args.quick:
+        load_args = _shrunk(load_args)
+        input_len, output_len = min(input_len, 32), min(output_len, 8)
+    argv = [
+        *target,
+        "--tokenizer", tokenizer,
+        "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len),
+        "--ignore-eos",
+        "--seed", str(seed),
+        "--label", label,
+        *load_args,
+    ]  # fmt: skip
+    if args.record:
+        argv.append("--record")
+    serve_bench.main(argv)
+
+
+def _shrunk(load_args: list[str]) -> list[str]:
+    out = list(load_args)
+    for i, item in enumerate(out[:-1]):
+        if item in ("--num-prompts", "--max-concurrency"):
+            out[i + 1] = str(max(1, min(int(out[i + 1]), 8)))
+    return out
+
+
+def _start_serve(engine_keys: dict, extra: list[str], log: Path) -> subprocess.Popen:
+    serve = shutil.which("serve", path=str(Path(sys.executable).parent)) or shutil.which("serve")
+    if serve is None:
+        raise SystemExit("the `serve` command (ray[serve]) is not on PATH")
+    keys = [f"{k}={v}" for k, v in engine_keys.items()] + list(extra)
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    command = [serve, "run", "serve_app:build_app", *keys]
+    print(json.dumps({"serve_command": " ".join(command)}), flush=True)
+    # Its own session, so that stopping it reaches every process it started.
+    return subprocess.Popen(
+        command,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=True,
+    )
+
+
+def _wait_ready(base_url: str, server: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if server.poll() is not None:
+            raise SystemExit(f"serve run exited ({server.returncode}):\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    ready = round(time.monotonic() - start, 1)
+                    print(json.dumps({"serve_ready_s": ready}), flush=True)
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"serve run not healthy after {timeout_s:g} s:\n{_tail(log)}")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+if __name__ == "__main__":
+    main()
