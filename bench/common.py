@@ -20,8 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder or .gguf with real weights")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # None: the engine's defaults for the GPU (engine/config.py default_batch_limits).
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
@@ -39,13 +40,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         model=args.model or args.model_shape,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
     )
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, key) is not None:
+            kwargs[key] = getattr(args, key)
     if args.model_shape:
         kwargs["load_format"] = "dummy"
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:

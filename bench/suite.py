@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     llm, startup_s = build_llm(args)
     command = "python -m bench.suite " + " ".join(argv or sys.argv[1:])
     base = {"engine": "kvray", "model_shape": shape, "command": command}
+    sched = llm.engine.config.scheduler_config
+    base["max_num_seqs"] = sched.max_num_seqs
+    base["max_num_batched_tokens"] = sched.max_num_batched_tokens
     emit({**base, "bench": "startup", "startup_s": round(startup_s, 1)}, args.record)
     vocab = llm.engine.vocab_size
     for name, n, inp, out in WORKLOADS[shape]:

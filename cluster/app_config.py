@@ -135,8 +135,9 @@ class AppConfig(_AppConfigBase):
     """
 
     def engine_args(self) -> dict[str, Any]:
-        """The engine keys that were given; the engine resolves the rest."""
-        given = (self.model_fields_set & ENGINE_KEYS) | {"policy"}
+        """The engine keys that were given; the engine resolves the rest. max_num_seqs is
+        always passed: it is also the replica's default max_ongoing_requests."""
+        given = (self.model_fields_set & ENGINE_KEYS) | {"policy", "max_num_seqs"}
         return {k: getattr(self, k) for k in given}
 
     def with_resolved_device(self) -> AppConfig:

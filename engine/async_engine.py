@@ -103,6 +103,7 @@ class AsyncEngine:
     def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> AsyncEngine:
         from engine.llm_engine import LLMEngine
 
+        engine_args.setdefault("usage_context", "server")
         return cls(LLMEngine.from_engine_args(model=model, **engine_args))
 
     @property

@@ -14,10 +14,14 @@ import torch
 
 from engine.forward_context import AttentionMetadata, forward_context
 
+MAX_CAPTURE_SIZE = 512
+"""Larger decode batches run eagerly: their launches are a small share of the step."""
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
-    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+    largest = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [1, 2, 4, 8] + list(range(16, largest + 1, 16))
+    return sorted({s for s in sizes if s <= largest} | {largest})
 
 
 class DecodeCudaGraphs:

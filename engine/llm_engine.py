@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
-from engine.config import EngineConfig
+from engine.config import EngineConfig, UsageContext
 from engine.executor import Executor, PendingOutput, get_executor_class
 from engine.loader import ModelSource, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
@@ -93,12 +93,20 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(
-        cls, model: str | None = None, tokenizer: str | None = None, **engine_args: Any
+        cls,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        usage_context: UsageContext = "offline",
+        **engine_args: Any,
     ) -> LLMEngine:
         source = resolve_model_source(model, engine_args.get("load_format", "auto"))
         hf_config = load_hf_config(source)
         config = EngineConfig.create(
-            hf_config=hf_config, model=str(source.path), tokenizer=tokenizer, **engine_args
+            hf_config=hf_config,
+            usage_context=usage_context,
+            model=str(source.path),
+            tokenizer=tokenizer,
+            **engine_args,
         )
         tok = _load_tokenizer_for(source, tokenizer)
         return cls(config, hf_config, source, tok)

@@ -43,10 +43,12 @@ def test_every_engine_argument_is_an_app_key():
     )
     assert engine_fields | {"device", "enforce_eager"} == set(ENGINE_KEYS)
     config = load_app_config({"max_model_len": "256", "enable_prefix_caching": "false"})
+    # max_num_seqs always goes: it is also the replicas' default max_ongoing_requests.
     assert config.engine_args() == {
         "max_model_len": 256,
         "enable_prefix_caching": False,
         "policy": "priority",
+        "max_num_seqs": 256,
     }
 
 

@@ -1,0 +1,47 @@
+"""Engine configuration: vLLM-named arguments, resolved "auto" values and batch defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine.config
+from engine.config import EngineConfig, default_batch_limits
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("gpu", "usage", "want"),
+    [
+        ((141 * GIB, "NVIDIA H200"), "offline", (1024, 16384)),
+        ((141 * GIB, "NVIDIA H200"), "server", (1024, 8192)),
+        ((80 * GIB, "NVIDIA H100 80GB HBM3"), "offline", (1024, 16384)),
+        # vLLM measured the large budgets to lose throughput on an A100.
+        ((80 * GIB, "NVIDIA A100-SXM4-80GB"), "offline", (256, 8192)),
+        ((24 * GIB, "NVIDIA L4"), "offline", (256, 8192)),
+        (None, "offline", (256, 8192)),
+    ],
+)
+def test_batch_defaults_follow_vllms_for_the_gpu(gpu, usage, want):
+    assert default_batch_limits(gpu, usage) == want
+
+
+def test_create_resolves_batch_defaults_for_the_device_and_keeps_given_values(monkeypatch):
+    cpu = EngineConfig.create(device="cpu")
+    assert (cpu.scheduler_config.max_num_seqs, cpu.scheduler_config.max_num_batched_tokens) == (
+        256,
+        8192,
+    )
+    assert cpu.model.dtype == "float32"
+    monkeypatch.setattr(engine.config, "_gpu_memory_and_name", lambda device: (141 * GIB, "H200"))
+    offline = EngineConfig.create(device="cuda").scheduler_config
+    server = EngineConfig.create(device="cuda", usage_context="server").scheduler_config
+    assert (offline.max_num_seqs, offline.max_num_batched_tokens) == (1024, 16384)
+    assert (server.max_num_seqs, server.max_num_batched_tokens) == (1024, 8192)
+    given = EngineConfig.create(device="cuda", max_num_seqs=64).scheduler_config
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (64, 16384)
+
+
+def test_unknown_engine_argument_is_named():
+    with pytest.raises(ValueError, match="unknown engine argument.*max_num_seq\\b"):
+        EngineConfig.create(device="cpu", max_num_seq=8)
