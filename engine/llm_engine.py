@@ -82,7 +82,6 @@ class LLMEngine:
         self.vocab_size: int = hf_config.vocab_size
         self._parents: dict[str, _ParentRequest] = {}
         self._sample_parent: dict[str, str] = {}
-        self._exact_history_parents: set[str] = set()
         self._pending: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         """Steps launched whose tokens are not read yet, oldest first."""
         self.metrics: EngineMetrics | None = None
@@ -181,8 +180,6 @@ class LLMEngine:
             self._sample_parent[child.request.request_id] = request_id
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
-        if sampling_params.reads_token_history:
-            self._exact_history_parents.add(request_id)
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.config.scheduler_config.max_model_len
@@ -225,10 +222,9 @@ class LLMEngine:
         """Schedule and launch one step; return the outputs of the steps that completed.
 
         With an executor that can overlap, step t+1 is scheduled and launched before step
-        t's tokens are read back, so the host's work hides behind the device's. Requests
-        whose sampling needs every previous token on the host (penalties) turn
-        the overlap off while they run. With pipeline stages, up to one step per stage is in
-        flight, each carrying other requests, so that every stage has work.
+        t's tokens are read back, so the host's work hides behind the device's. With
+        pipeline stages, up to one step per stage is in flight, each carrying other
+        requests, so that every stage has work.
         """
         outputs: list[RequestOutput] = []
         max_pending = self._max_pending()
@@ -252,7 +248,7 @@ class LLMEngine:
 
     def _max_pending(self) -> int:
         """Steps that may stay in flight when step() returns."""
-        overlap = self.executor.supports_overlap and not self._exact_history_parents
+        overlap = self.executor.supports_overlap
         return max(self.executor.max_concurrent_batches, 2 if overlap else 1) - 1
 
     def _complete(self, scheduler_output: SchedulerOutput, launched: PendingOutput):
@@ -311,7 +307,6 @@ class LLMEngine:
 
     def _forget(self, parent: _ParentRequest) -> None:
         self._parents.pop(parent.request_id, None)
-        self._exact_history_parents.discard(parent.request_id)
         for s in parent.samples:
             self._sample_parent.pop(s.request.request_id, None)
 

@@ -343,7 +343,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         states = [self.requests[r] for r in batch.sampling_req_ids]
         # Generated before this step's sample: known to the host, plus those in flight.
-        num_outputs = [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states]
+        num_pending = [s.num_pending for s in states]
+        num_outputs = [
+            len(s.token_ids) - s.num_prompt_tokens + n for s, n in zip(states, num_pending)
+        ]
         for state in states:
             state.num_pending += 1
         sampled = sampling_batch = raw_logprobs = None
@@ -363,6 +366,8 @@ class ModelRunner:
                 device=self.device,
                 num_output_tokens=num_outputs,
             )
+            if sampling_batch.output_token_counts is not None:
+                self._count_pending_tokens(sampling_batch.output_token_counts, states, num_pending)
             sampled, raw_logprobs = sample_on_device(logits, sampling_batch)
         elif self.shares_samples:
             sampled = torch.empty(len(states), dtype=torch.long, device=self.device)
@@ -373,6 +378,22 @@ class ModelRunner:
         if not self.is_driver:
             return PendingRunnerOutput.done(ModelRunnerOutput())
         return PendingRunnerOutput(batch.sampling_req_ids, sampled, raw_logprobs, sampling_batch)
+
+    def _count_pending_tokens(
+        self, counts: torch.Tensor, states: list[CachedRequestState], num_pending: list[int]
+    ) -> None:
+        """Add each row's in-flight token (the previous step's sample, still on the device)
+        to its output-token counts, so penalties see every token without waiting for it."""
+        rows = [i for i, n in enumerate(num_pending) if n]
+        if not rows:
+            return
+        if any(num_pending[i] > 1 for i in rows):
+            raise RuntimeError("a request has more than one sampled token in flight")
+        src = [self._prev_sample_rows[states[i].req_id] for i in rows]
+        tokens = self._prev_samples[self._h2d(np.array(src, dtype=np.int64))]
+        row_index = self._h2d(np.array(rows, dtype=np.int64))
+        ones = torch.ones(len(rows), dtype=counts.dtype, device=counts.device)
+        counts.index_put_((row_index, tokens), ones, accumulate=True)
 
 
 class PendingRunnerOutput:

@@ -114,8 +114,8 @@ class SamplingParams:
 
     @property
     def reads_token_history(self) -> bool:
-        """Sampling reads the request's previous tokens (the penalties). min_tokens needs
-        only their count, which the workers know even while the last token is in flight."""
+        """Sampling reads the request's previous tokens (the penalties); the runner adds
+        the one still in flight on the device. min_tokens needs only their count."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0

@@ -203,17 +203,31 @@ def test_stop_strings_and_n_and_chat():
 
 def test_overlapped_steps_match_synchronous_steps():
     """Scheduling step t+1 while step t runs changes no output, also with stops, n > 1,
-    penalties (which turn the overlap off while they run) and chunked prefill."""
+    penalties (which count the token still in flight on the device) and chunked prefill."""
     llm = LLM(max_num_batched_tokens=48)
-    prompts = PROMPTS[:4]
+    prompts = PROMPTS[:6]
     params = [
         SamplingParams(temperature=0.0, max_tokens=12),
         SamplingParams(temperature=0.0, max_tokens=20, stop=["."]),
         SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=9),
         SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3),
+        # Strong enough that counting the previous token or not changes the greedy choice.
+        SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=2.0),
+        SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=2.0),
     ]
     assert llm.engine.executor.supports_overlap
+    engine = llm.engine
+    in_flight_at_launch = []
+    launch = engine.executor.execute_model_async
+
+    def recording_launch(scheduler_output):
+        in_flight_at_launch.append(len(engine._pending))
+        return launch(scheduler_output)
+
+    engine.executor.execute_model_async = recording_launch
     overlapped = llm.generate(prompts, params)
+    engine.executor.execute_model_async = launch
+    assert sum(in_flight_at_launch) >= len(in_flight_at_launch) - 2  # penalties overlap too
     llm.engine.executor.supports_overlap = False
     synchronous = llm.generate(prompts, params)
     for a, b in zip(overlapped, synchronous, strict=True):
