@@ -170,6 +170,15 @@ def _attend_tile(
 
 
 @triton.jit
+def _seq_partition(seq_len, num_splits, max_partition, BLOCK_N: tl.constexpr):
+    """Keys per split for this request: its own context spread over all the splits, in whole
+    tiles. The grid is sized for the longest context (a CUDA graph's for max_model_len),
+    and a shorter one would otherwise leave all but its first split idle."""
+    part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.minimum(tl.maximum(part, BLOCK_N), max_partition)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -210,11 +219,12 @@ def _decode_kernel(
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
-    start = split * partition_size
+    part = _seq_partition(seq_len, tl.num_programs(2), partition_size, BLOCK_N)
+    start = split * part
     # Split 0 always runs so that even an empty context writes its (zero) result.
     if q_len == 0 or (split > 0 and start >= seq_len):
         return
-    end = tl.minimum(start + partition_size, seq_len)
+    end = tl.minimum(start + part, seq_len)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -265,6 +275,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -273,7 +284,8 @@ def _decode_merge_kernel(
     if q_len == 0:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    num_valid = tl.minimum(tl.maximum(tl.cdiv(seq_len, partition_size), 1), num_splits)
+    part = _seq_partition(seq_len, num_splits, partition_size, BLOCK_N)
+    num_valid = tl.minimum(tl.maximum(tl.cdiv(seq_len, part), 1), num_splits)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_valid
@@ -514,6 +526,7 @@ def paged_attention_triton(
                 HEAD_DIM=head_dim,
                 BLOCK_D=block_d,
                 BLOCK_S=triton.next_power_of_2(num_splits),
+                BLOCK_N=block_n,
             )
         return out
 

@@ -367,6 +367,17 @@ def test_triton_paged_decode_any_split_count(num_splits):
     assert_matches(paged_attention_triton(**batch, num_splits=num_splits), run_ref(batch))
 
 
+@triton_test
+def test_triton_paged_decode_spreads_short_contexts_over_a_graph_sized_grid():
+    from kernels.triton_attention import paged_attention_triton
+
+    # As a CUDA graph runs it: the grid and max_seq_len sized for 4096 tokens, contexts far
+    # shorter, each spread over all 16 splits (including one shorter than a split each).
+    batch = make_paged_batch([1] * 4, [5, 300, 64, 900], 8, 2, 64, 16, torch.float32, DEVICE)
+    out = paged_attention_triton(**{**batch, "max_seq_len": 4096}, num_splits=16)
+    assert_matches(out, run_ref(batch))
+
+
 @gpu_test
 def test_triton_paged_decode_replays_in_cuda_graph_with_new_lengths():
     from kernels.triton_attention import paged_attention_triton
