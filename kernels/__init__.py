@@ -73,6 +73,18 @@ def apply_rotary(positions, query, key, cos_sin_cache) -> None:
     return apply_rotary_ref(positions, query, key, cos_sin_cache)
 
 
+def rotary_store_kv(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping) -> None:
+    """apply_rotary on query and key, then store_kv of the rotated key and value."""
+    if use_triton(query):
+        from kernels.triton_rotary import rotary_store_kv_triton
+
+        return rotary_store_kv_triton(
+            positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping
+        )
+    apply_rotary_ref(positions, query, key, cos_sin_cache)
+    store_kv_ref(key, value, kv_cache, slot_mapping)
+
+
 def silu_and_mul(x):
     if use_triton(x):
         from kernels.triton_activation import silu_and_mul_triton
@@ -86,6 +98,7 @@ __all__ = [
     "fused_add_rms_norm",
     "paged_attention",
     "rms_norm",
+    "rotary_store_kv",
     "silu_and_mul",
     "store_kv",
     "use_triton",

@@ -1,7 +1,9 @@
 """Triton rotary embedding (rotate-half / NeoX layout); drop-in for rotary_ref.
 
 Works in place on query and key, which may be strided views of one fused qkv tensor:
-only the head_dim axis has to be contiguous.
+only the head_dim axis has to be contiguous. `rotary_store_kv_triton` also writes the
+rotated key and the value into the paged KV cache in the same pass (one kernel per layer
+instead of two).
 """
 
 from __future__ import annotations
@@ -61,6 +63,130 @@ def _rotary_kernel(
     sin = tl.load(row + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     _rotate(q_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, BLOCK_HQ, HALF, BLOCK_HALF)
     _rotate(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, BLOCK_HKV, HALF, BLOCK_HALF)
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    row = cos_sin_ptr + pos * stride_cache
+    cos = tl.load(row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    _rotate(q_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, BLOCK_HQ, HALF, BLOCK_HALF)
+
+    h = tl.arange(0, BLOCK_HKV)
+    mask = (h[:, None] < num_kv_heads) & (j[None, :] < HALF)
+    k_lo = k_ptr + token * stride_kt + h[:, None] * stride_kh + j[None, :]
+    x1 = tl.load(k_lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    # Rounded to the key's dtype first, as the in-place rotation then a copy would be.
+    k_ty = k_ptr.dtype.element_ty
+    r1 = (x1 * cos - x2 * sin).to(k_ty)
+    r2 = (x2 * cos + x1 * sin).to(k_ty)
+    tl.store(k_lo, r1, mask=mask)
+    tl.store(k_lo + HALF, r2, mask=mask)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    cache_lo = (
+        (slot // BLOCK_SIZE) * stride_cb
+        + (slot % BLOCK_SIZE) * stride_cs
+        + h[:, None] * stride_ch
+        + j[None, :]
+    )
+    cache_ty = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache_lo, r1.to(cache_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_lo + HALF, r2.to(cache_ty), mask=mask)
+    v_lo = v_ptr + token * stride_vt + h[:, None] * stride_vh + j[None, :]
+    v1 = tl.load(v_lo, mask=mask, other=0.0)
+    v2 = tl.load(v_lo + HALF, mask=mask, other=0.0)
+    tl.store(v_cache_ptr + cache_lo, v1.to(cache_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_lo + HALF, v2.to(cache_ty), mask=mask)
+
+
+def rotary_store_kv_triton(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """apply_rotary_triton, then key and value [T, Hkv, D] into kv_cache [2, N, B, Hkv, D]
+    at slot_mapping [T] (negative slots skipped): one kernel."""
+    assert query.dim() == 3 and key.dim() == 3, "query/key must be [T, H, D]"
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    assert key.shape == (num_tokens, num_kv_heads, head_dim), "key must be [T, Hkv, D]"
+    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
+    assert positions.shape == (num_tokens,), "positions must be [T]"
+    assert slot_mapping.shape == (num_tokens,), "slot_mapping must be [T]"
+    assert head_dim % 2 == 0, f"head_dim {head_dim} must be even"
+    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim, "cache [P, D]"
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, N, B, Hkv, D]"
+    assert tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim), "kv_cache heads/dim mismatch"
+    for name, t in (("query", query), ("key", key), ("value", value), ("kv_cache", kv_cache)):
+        assert t.stride(-1) == 1, f"{name} head_dim must be contiguous"
+    assert cos_sin_cache.stride(1) == 1, "cos_sin_cache rows must be contiguous"
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _rotary_store_kv_kernel[(num_tokens,)](
+        positions,
+        query,
+        key,
+        value,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_q_heads,
+        num_kv_heads,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )
 
 
 def apply_rotary_triton(

@@ -480,6 +480,46 @@ def test_triton_rotary_on_fused_qkv(dtype, num_heads, num_kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
+@triton_test
+def test_triton_rotary_store_kv_equals_rotary_then_store(dtype, num_heads, num_kv_heads, head_dim):
+    from kernels.triton_rotary import rotary_store_kv_triton
+
+    num_tokens, block_size, num_blocks = 37, 16, 12
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
+    qkv = qkv.to(dtype)
+    expected_qkv = qkv.clone()
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+
+    def views(t):
+        return (
+            t[:, :q_end].view(num_tokens, num_heads, head_dim),
+            t[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim),
+            t[:, k_end:].view(num_tokens, num_kv_heads, head_dim),
+        )
+
+    cos_sin = make_cos_sin_cache(4096, head_dim).to(DEVICE)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slots[::4] = -1  # padding rows store nothing
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+    cache = cache.to(dtype)
+    expected_cache = cache.clone()
+    q, k, v = views(expected_qkv)
+    apply_rotary_ref(positions, q, k, cos_sin)
+    store_kv_ref(k, v, expected_cache, slots)
+    rotary_store_kv_triton(positions, *views(qkv), cos_sin, cache, slots)
+    assert_matches(qkv, expected_qkv)
+    assert_matches(cache, expected_cache)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    flat = cache.view(2, num_blocks * block_size, -1)[:, untouched.to(DEVICE)]
+    assert torch.equal(
+        flat, expected_cache.view(2, num_blocks * block_size, -1)[:, untouched.to(DEVICE)]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
 @pytest.mark.parametrize("inter", [1536, 14336, 100])
 @triton_test
 def test_triton_silu_and_mul(dtype, inter):

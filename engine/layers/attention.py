@@ -8,6 +8,7 @@ from torch import nn
 
 import kernels
 from engine.forward_context import AttentionMetadata, get_attention_metadata
+from engine.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -34,8 +35,19 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq*D], k and v [T, Hkv*D] (or already split into heads) -> [T, Hq*D]."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary: RotaryEmbedding | None = None,
+    ) -> torch.Tensor:
+        """q [T, Hq*D], k and v [T, Hkv*D] (or already split into heads) -> [T, Hq*D].
+
+        With `rotary`, q and k are rotated at `positions` first, in the same kernel that
+        stores the keys and values.
+        """
         meta = get_attention_metadata()
         if self.sliding_window is not None and meta.max_seq_len > self.sliding_window:
             raise ValueError(
@@ -48,9 +60,16 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.kv_cache is None:
+            if rotary is not None:
+                rotary(positions, q, k)
             out = _attend_new_tokens(q, k, v, meta, self.scale)
         else:
-            kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping)
+            if rotary is not None:
+                kernels.rotary_store_kv(
+                    positions, q, k, v, rotary.cos_sin_cache, self.kv_cache, meta.slot_mapping
+                )
+            else:
+                kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping)
             out = kernels.paged_attention(
                 q,
                 self.kv_cache,
