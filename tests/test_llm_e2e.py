@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.bundled import bundled_model_path
+from tests.steps_in_flight import record_steps_in_flight
 
 MAX_NEW_TOKENS = 64
 
@@ -216,17 +217,8 @@ def test_overlapped_steps_match_synchronous_steps():
         SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=2.0),
     ]
     assert llm.engine.executor.supports_overlap
-    engine = llm.engine
-    in_flight_at_launch = []
-    launch = engine.executor.execute_model_async
-
-    def recording_launch(scheduler_output):
-        in_flight_at_launch.append(len(engine._pending))
-        return launch(scheduler_output)
-
-    engine.executor.execute_model_async = recording_launch
+    in_flight_at_launch = record_steps_in_flight(llm.engine)
     overlapped = llm.generate(prompts, params)
-    engine.executor.execute_model_async = launch
     assert sum(in_flight_at_launch) >= len(in_flight_at_launch) - 2  # penalties overlap too
     llm.engine.executor.supports_overlap = False
     synchronous = llm.generate(prompts, params)
@@ -247,16 +239,9 @@ def test_min_tokens_holds_stops_back_and_keeps_steps_overlapped():
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=8, stop_token_ids=[stop_id])
     assert not params.reads_token_history
     engine = llm.engine
-    launches_with_one_in_flight = []
-    launch = engine.executor.execute_model_async
-
-    def recording_launch(scheduler_output):
-        launches_with_one_in_flight.append(len(engine._pending))
-        return launch(scheduler_output)
-
-    engine.executor.execute_model_async = recording_launch
+    in_flight_at_launch = record_steps_in_flight(engine)
     held = llm.generate(PROMPTS[0], params)[0].outputs[0]
-    assert max(launches_with_one_in_flight) == 1  # the overlap stayed on
+    assert max(in_flight_at_launch) == 1  # the overlap stayed on
     assert len(held.token_ids) >= 8 and stop_id not in held.token_ids[:8]
     # Greedy tokens are the free run's until its first stop id, which is held back.
     first = tokens.index(stop_id)

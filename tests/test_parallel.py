@@ -20,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ParallelConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_hf_config, resolve_model_source
+from tests.steps_in_flight import record_steps_in_flight
 from tests.test_serve_support import start_ray
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -93,20 +94,6 @@ def _engine(model: str, use_compiled_graph: bool | None = None, **engine_args) -
     return LLMEngine(config, hf_config, source, None, executor_class=executor)
 
 
-def _record_steps_in_flight(executor) -> list[int]:
-    """Wrap the executor: each launch records how many earlier steps are still unread."""
-    launched, counts = [], []
-    launch = executor.execute_model_async
-
-    def recording_launch(scheduler_output):
-        counts.append(sum(not f.done() for f in launched))
-        launched.append(launch(scheduler_output))
-        return launched[-1]
-
-    executor.execute_model_async = recording_launch
-    return counts
-
-
 def _assert_gone(pids: list[int], timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
@@ -118,7 +105,7 @@ def _assert_gone(pids: list[int], timeout_s: float = 15.0) -> None:
 def test_smollm2_parallel_greedy_equals_tp1(ray_instance, smollm2, tp, pp):
     llm = LLM(**SMOL_ARGS, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
-        in_flight = _record_steps_in_flight(llm.engine.executor)
+        in_flight = record_steps_in_flight(llm.engine)
         assert _tokens(llm, TEXT_PROMPTS) == smollm2[1]
         # Tensor-parallel ranks overlap step t+1 with step t (each feeds its decodes the
         # driver's broadcast samples); pipeline stages each hold a batch.
@@ -151,7 +138,7 @@ def test_tiny_llama_tp2_pp2_equals_tp1_with_a_batch_in_each_stage(ray_instance, 
         pipeline_parallel_size=2,
     )
     try:
-        in_flight = _record_steps_in_flight(llm.engine.executor)
+        in_flight = record_steps_in_flight(llm.engine)
         assert _tokens(llm, TOKEN_PROMPTS) == want
         assert max(in_flight) == 1  # one step unread when the next is launched
         # Nearly every step is launched while the other request's step is in flight.
