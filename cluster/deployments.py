@@ -13,6 +13,7 @@ ends with its `UsageInfo` (for per-tenant token accounting, never sent to the cl
 # No `from __future__ import annotations` here: FastAPI reads the route signatures of the
 # class Serve rebuilds, and string annotations do not resolve there.
 import asyncio
+import contextvars
 import logging
 import time
 from typing import Any
@@ -272,9 +273,11 @@ class OpenAIIngress:
 
     def _release(self, lease: str | None, tokens: int) -> None:
         if lease is not None:
-            # Not awaited: the request is sent at .remote(), and a release must not hold
-            # up (or be lost with) a response whose client has gone.
-            self.limiter.release.remote(lease, tokens)
+            # Not awaited: the request is sent at .remote(), and a release must not hold up
+            # a response whose client has gone. Sent from an empty context, so it is not a
+            # child of the client's request: Serve cancels those with it, and a release made
+            # while the disconnect is being handled was lost that way now and then.
+            contextvars.Context().run(self.limiter.release.remote, lease, tokens)
 
     async def _call_server(
         self, kind: str, parsed: Any, ctx: RequestContext, lease: str | None, tenant: str
