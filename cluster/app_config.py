@@ -81,6 +81,8 @@ class ServeOptions(BaseModel):
     """A request still running after this long is aborted (its KV freed) with a 408."""
     max_request_body_bytes: int = Field(default=8 << 20, gt=0)
     """Larger request bodies get 413 before they are read."""
+    engine_process: bool | None = None
+    """Run the engine in a process of its own beside the replica's; default: on one GPU."""
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeOptions:

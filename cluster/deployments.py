@@ -48,12 +48,16 @@ _REQUEST_TYPES = {"completion": CompletionRequest, "chat": ChatCompletionRequest
 def make_engine(config: AppConfig) -> Any:
     """The one place a replica builds its engine.
 
-    Today the engine runs in the replica's process; a tensor/pipeline-parallel executor
-    plugs in here, placing its workers in the replica's placement group.
+    On one GPU the engine runs in a process of its own next to the replica's (the replica's
+    event loop and the engine would otherwise take turns at the GIL); a tensor/pipeline-
+    parallel group is driven from the replica's process, its workers placed in the
+    replica's placement group.
     """
     from engine.async_engine import AsyncEngine
 
-    return AsyncEngine.from_engine_args(**config.engine_args())
+    return AsyncEngine.from_engine_args(
+        engine_process=config.engine_process, **config.engine_args()
+    )
 
 
 @serve.deployment(name="LLMServer")
@@ -62,7 +66,7 @@ class LLMServer:
         self.engine = make_engine(config)
         self.serving = OpenAIServing(self.engine)
         sink = RayMetricsSink()
-        self.engine.engine.enable_metrics(sink)
+        self.engine.enable_metrics(sink)
         self.readiness = ReplicaReadiness(sink, self.engine.model_name)
         self.readiness.set(True)
 
@@ -93,10 +97,7 @@ class LLMServer:
 
     def check_health(self) -> None:
         self.readiness.set(self.engine.is_healthy)
-        if not self.engine.is_healthy:
-            raise RuntimeError("the engine loop is not running")
-        # A rank that died while the replica was idle shows here, not on the next request.
-        self.engine.engine.executor.check_health()
+        self.engine.check_health()
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

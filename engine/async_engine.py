@@ -1,9 +1,9 @@
-"""AsyncEngine: the engine core loop in its own thread, with one asyncio stream per request.
+"""AsyncEngine: the engine core loop off the event loop, with one asyncio stream per request.
 
 `LLMEngine` is synchronous and single-threaded: `add_request`, `abort_request` and `step`
-all run on the loop thread. Callers on an event loop queue their requests and aborts; the
-thread applies them between steps and hands outputs back with one
-`loop.call_soon_threadsafe` per step.
+all run on the engine loop (a thread here, or an engine process). Callers on an event
+loop queue their requests and aborts; the loop applies them between steps and hands
+outputs back with one `loop.call_soon_threadsafe` per step.
 
 Outputs are cumulative, so a stream keeps only the newest one: a consumer slower than the
 engine skips intermediate states and loses nothing (its next delta is simply larger).
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
+from engine.core_loop import AbortOp, AddOp, CallOp, CoreLoop, Op, Results
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -28,29 +29,6 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The core loop has stopped (step() raised, or shutdown); every request fails with it."""
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    sampling_params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    stream: _Stream
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    """Run `fn(engine)` on the loop thread (engine state is only safe to read there)."""
-
-    fn: Any
-    future: concurrent.futures.Future
 
 
 class _Stream:
@@ -80,47 +58,144 @@ def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException | None]]) 
         stream.put(item)
 
 
-class AsyncEngine:
-    """Wraps an `LLMEngine`; `generate()` streams a request's cumulative outputs."""
+class _ThreadCore:
+    """The engine in a thread of this process: ops wait on a condition between steps."""
 
-    def __init__(self, engine: Any, stall_timeout_s: float = 300.0) -> None:
-        """`stall_timeout_s`: a step running longer than this makes the engine unhealthy
-        (a hung collective, a wedged device)."""
+    def __init__(self, engine: Any, deliver: Any, on_dead: Any) -> None:
         self.engine = engine
-        self.stall_timeout_s = stall_timeout_s
+        self._deliver, self._on_dead = deliver, on_dead
         self._cond = threading.Condition()
-        self._ops: list[_Add | _Abort | _Call] = []
+        self._ops: list[Op] = []
         self._stopping = False
-        self._dead: EngineDeadError | None = None
-        self._step_started: float | None = None
-        self._num_steps = 0
-        # Owned by the loop thread only.
-        self._streams: dict[str, _Stream] = {}
+        self.step_started: float | None = None
         self._thread = threading.Thread(target=self._run, name="kvray-engine-loop", daemon=True)
         self._thread.start()
 
+    def submit(self, op: Op) -> bool:
+        with self._cond:
+            if self._stopping or not self._thread.is_alive():
+                return False
+            self._ops.append(op)
+            self._cond.notify()
+        return True
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float | None) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        core = CoreLoop(self.engine)
+        has_work = False
+        try:
+            while True:
+                with self._cond:
+                    while not self._ops and not has_work and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    ops, self._ops = self._ops, []
+                applied = core.apply(ops)
+                if applied:
+                    self._deliver(applied)
+                if core.has_work():
+                    self.step_started = time.monotonic()
+                    stepped = core.step()
+                    self.step_started = None
+                    self._deliver(stepped)
+                has_work = core.has_work()
+            self._on_dead("the engine was shut down")
+        except BaseException as e:
+            logger.exception("the engine loop stopped")
+            self._on_dead(f"the engine loop stopped: {type(e).__name__}: {e}")
+
+
+class AsyncEngine:
+    """Wraps an `LLMEngine`; `generate()` streams a request's cumulative outputs.
+
+    `AsyncEngine(engine)` steps the engine on a thread of this process;
+    `AsyncEngine.from_engine_args(..., engine_process=True)` builds it in a process of its
+    own (engine/core_process.py says why), the default for one GPU.
+    """
+
+    def __init__(
+        self,
+        engine: Any | None = None,
+        stall_timeout_s: float = 300.0,
+        *,
+        engine_args: dict | None = None,
+    ) -> None:
+        """`stall_timeout_s`: a step running longer than this makes the engine unhealthy
+        (a hung collective, a wedged device). Give `engine` (run on a thread) or
+        `engine_args` (built and run in an engine process)."""
+        if (engine is None) == (engine_args is None):
+            raise ValueError("give exactly one of engine and engine_args")
+        self.stall_timeout_s = stall_timeout_s
+        self._dead: EngineDeadError | None = None
+        self._num_steps = 0
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._sink: Any = None
+        if engine is not None:
+            self.engine = engine
+            self._core: Any = _ThreadCore(engine, self._on_results, self._on_dead)
+            self._tokenizer = engine.tokenizer if hasattr(engine, "tokenizer") else None
+        else:
+            from engine.core_process import ProcessCore
+
+            self.engine = None
+            self._core = ProcessCore(engine_args, self._on_results, self._on_dead, self._replay)
+            self._info = self._core.info
+            self._tokenizer = self._info["tokenizer"]
+
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> AsyncEngine:
+    def from_engine_args(
+        cls, model: str | None = None, engine_process: bool | None = None, **engine_args: Any
+    ) -> AsyncEngine:
+        """`engine_process`: run the engine in a process of its own; by default on one
+        GPU (a tensor/pipeline-parallel group is driven from this process)."""
+        engine_args.setdefault("usage_context", "server")
+        if engine_process is None:
+            engine_process = _one_gpu(engine_args)
+        if engine_process:
+            return cls(engine_args={"model": model, **engine_args})
         from engine.llm_engine import LLMEngine
 
-        engine_args.setdefault("usage_context", "server")
         return cls(LLMEngine.from_engine_args(model=model, **engine_args))
 
     @property
+    def in_process(self) -> bool:
+        """True when the engine steps on a thread of this process."""
+        return self.engine is not None
+
+    @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self._tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.engine.model_name if self.in_process else self._info["model_name"]
 
     def encode(self, prompt: str) -> list[int]:
         """Prompt text -> token ids, exactly as the engine tokenizes a text prompt."""
-        return self.engine.encode(prompt)
+        if self.in_process:
+            return self.engine.encode(prompt)
+        if self._tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+        return self._tokenizer.encode(prompt, add_special_tokens=False)
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.scheduler_config.max_model_len
+        if self.in_process:
+            return self.engine.config.scheduler_config.max_model_len
+        return self._info["max_model_len"]
 
     @property
     def num_steps(self) -> int:
@@ -128,11 +203,31 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        """True while the loop thread is alive and no step has raised or hung."""
-        if self._dead is not None or not self._thread.is_alive():
+        """True while the engine loop is alive and no step has raised or hung."""
+        if self._dead is not None or not self._core.is_alive():
             return False
-        started = self._step_started
+        if self.in_process:
+            started = self._core.step_started
+        else:
+            # The engine process reports after every step while it has requests.
+            started = self._core.last_heard if self._streams else None
         return started is None or time.monotonic() - started < self.stall_timeout_s
+
+    def enable_metrics(self, sink: Any) -> None:
+        """Record engine metrics into `sink` (engine/metrics.py) from the next request on."""
+        if self.in_process:
+            self.engine.enable_metrics(sink)
+            return
+        self._sink = sink
+        self._submit(CallOp(next(self._call_ids), "enable_metrics"))
+
+    def check_health(self) -> None:
+        """Raise if the engine loop is down or a rank of its executor has died."""
+        if not self.is_healthy:
+            raise RuntimeError("the engine loop is not running")
+        if self.in_process:
+            # A rank that died while the engine was idle shows here, not on a request.
+            self.engine.executor.check_health()
 
     async def generate(
         self,
@@ -150,8 +245,14 @@ class AsyncEngine:
         """
         if self._dead is not None:
             raise self._dead
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, sampling_params, priority, cache_salt, stream))
+        if not self.in_process and not self._streams:
+            self._core.last_heard = time.monotonic()  # a busy spell starts: time it from here
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        self._submit(AddOp(request_id, prompt, sampling_params, priority, cache_salt, arrival))
         finished = False
         try:
             while True:
@@ -171,102 +272,77 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._submit(_Abort(request_id))
+                self._submit(AbortOp(request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its stream ends and its KV blocks are freed."""
-        self._submit(_Abort(request_id))
+        self._submit(AbortOp(request_id))
 
-    async def call(self, fn: Any) -> Any:
-        """Run `fn(engine)` on the loop thread between steps and return its result."""
+    async def call(self, method: str, *args: Any) -> Any:
+        """`engine.<method>(*args)` run by the engine loop between steps; its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(fn, future))
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self._submit(CallOp(call_id, method, args))
         return await asyncio.wrap_future(future)
 
     async def stats(self) -> dict:
         """The engine's `stats()`, read between steps."""
-        return await self.call(lambda engine: engine.stats())
+        return await self.call("stats")
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        self._core.shutdown(timeout)
 
-    def _submit(self, op: _Add | _Abort | _Call) -> None:
-        with self._cond:
-            dead = self._dead
-            if dead is None:
-                self._ops.append(op)
-                self._cond.notify()
-        if dead is not None:
-            if isinstance(op, _Add):
-                op.stream.loop.call_soon_threadsafe(op.stream.put, dead)
-            elif isinstance(op, _Call):
-                op.future.set_exception(dead)
+    def _submit(self, op: Op) -> None:
+        if self._dead is None and self._core.submit(op):
+            return
+        self._fail_op(op, self._dead or EngineDeadError("the engine loop is not running"))
 
-    def _run(self) -> None:
-        has_work = False
-        try:
-            while True:
-                with self._cond:
-                    while not self._ops and not has_work and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    ops, self._ops = self._ops, []
-                self._apply(ops)
-                if self.engine.has_unfinished_requests():
-                    self._step_started = time.monotonic()
-                    outputs = self.engine.step()
-                    self._step_started = None
-                    self._num_steps += 1
-                    self._send_outputs(outputs)
-                has_work = self.engine.has_unfinished_requests()
-            self._fail_all(EngineDeadError("the engine was shut down"))
-        except BaseException as e:
-            logger.exception("the engine loop stopped")
-            self._fail_all(EngineDeadError(f"the engine loop stopped: {type(e).__name__}: {e}"))
+    def _fail_op(self, op: Op, error: EngineDeadError) -> None:
+        if isinstance(op, AddOp):
+            stream = self._streams.pop(op.request_id, None)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.put, error)
+        elif isinstance(op, CallOp):
+            future = self._calls.pop(op.call_id, None)
+            if future is not None:
+                future.set_exception(error)
 
-    def _apply(self, ops: list[_Add | _Abort | _Call]) -> None:
+    # -- on the engine loop's thread (or the engine process's reader thread) --------------
+
+    def _on_results(self, results: Results) -> None:
+        self._num_steps = results.num_steps
         replies: list[tuple[_Stream, RequestOutput | BaseException | None]] = []
-        for op in ops:
-            if isinstance(op, _Add):
-                try:
-                    self.engine.add_request(
-                        op.request_id,
-                        op.prompt,
-                        op.sampling_params,
-                        priority=op.priority,
-                        cache_salt=op.cache_salt,
-                    )
-                except Exception as e:
-                    replies.append((op.stream, e))
-                else:
-                    self._streams[op.request_id] = op.stream
-            elif isinstance(op, _Abort):
-                stream = self._streams.pop(op.request_id, None)
-                if stream is not None:
-                    self.engine.abort_request([op.request_id])
-                    replies.append((stream, None))
-            else:
-                try:
-                    op.future.set_result(op.fn(self.engine))
-                except Exception as e:
-                    op.future.set_exception(e)
-        self._reply(replies)
-
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
-        replies: list[tuple[_Stream, RequestOutput | BaseException | None]] = []
-        for output in outputs:
+        for request_id, error in results.failed:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                replies.append((stream, error))
+        for request_id in results.ended:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                replies.append((stream, None))
+        for output in results.outputs:
             if output.finished:
                 stream = self._streams.pop(output.request_id, None)
             else:
                 stream = self._streams.get(output.request_id)
             if stream is not None:
                 replies.append((stream, output))
+        for call_id, result, error in results.calls:
+            future = self._calls.pop(call_id, None)
+            if future is None:
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
         self._reply(replies)
+
+    def _replay(self, events: list) -> None:
+        sink = self._sink
+        if sink is not None:
+            for kind, name, value, labels in events:
+                getattr(sink, kind)(name, value, labels)
 
     def _reply(self, replies: list[tuple[_Stream, RequestOutput | BaseException | None]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -278,17 +354,25 @@ class AsyncEngine:
             except RuntimeError:
                 pass  # that event loop is closed: nobody is left to read these streams
 
-    def _fail_all(self, error: EngineDeadError) -> None:
-        with self._cond:
+    def _on_dead(self, message: str) -> None:
+        error = EngineDeadError(message)
+        with self._lock:
+            if self._dead is not None:
+                return
             self._dead = error
-            ops, self._ops = self._ops, []
-        replies: list[tuple[_Stream, RequestOutput | BaseException | None]] = [
-            (stream, error) for stream in self._streams.values()
-        ]
-        self._streams.clear()
-        for op in ops:
-            if isinstance(op, _Add):
-                replies.append((op.stream, error))
-            elif isinstance(op, _Call):
-                op.future.set_exception(error)
-        self._reply(replies)
+        streams, self._streams = self._streams, {}
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            future.set_exception(error)
+        self._reply([(stream, error) for stream in streams.values()])
+
+
+def _one_gpu(engine_args: dict) -> bool:
+    if engine_args.get("device") not in (None, "cuda"):
+        return False
+    tp = engine_args.get("tensor_parallel_size") or 1
+    if tp * (engine_args.get("pipeline_parallel_size") or 1) != 1:
+        return False
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,4 +1,5 @@
-"""AsyncEngine: the core loop thread, per-request streams, abort, and failure handling."""
+"""AsyncEngine: the engine loop (a thread, or an engine process), per-request streams,
+abort, and failure handling."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.core_process import OutputDecoder, OutputEncoder
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = AsyncEngine.from_engine_args(max_model_len=256, max_num_seqs=8)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request):
+    eng = AsyncEngine.from_engine_args(
+        max_model_len=256, max_num_seqs=8, engine_process=request.param == "process"
+    )
+    assert eng.in_process == (request.param == "thread")
     yield eng
     eng.shutdown()
 
@@ -130,7 +135,7 @@ class _FailingEngine:
         self.requests: dict[str, int] = {}
         self.steps = 0
 
-    def add_request(self, request_id, prompt, sampling_params, priority=0, cache_salt=None):
+    def add_request(self, request_id, prompt, sampling_params, **kwargs):
         self.requests[request_id] = 0
 
     def abort_request(self, request_ids) -> None:
@@ -161,3 +166,51 @@ def test_step_failure_fails_in_flight_requests_and_health():
 
     asyncio.run(asyncio.wait_for(run(), timeout=5))
     assert not eng.is_healthy
+
+
+def test_n_samples_logprobs_and_stop_strings_come_through_whole(engine):
+    params = SamplingParams(
+        temperature=0.8, seed=3, n=2, max_tokens=12, logprobs=2, stop=[" the"], ignore_eos=True
+    )
+    outputs = asyncio.run(_collect(engine, PROMPTS[2], "n-two", params))
+    final = outputs[-1]
+    assert final.finished and [c.index for c in final.outputs] == [0, 1]
+    for c in final.outputs:
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        assert " the" not in c.text
+        assert c.text == engine.tokenizer.decode(c.token_ids)[: len(c.text)]
+
+
+def test_engine_process_death_fails_requests_and_health():
+    eng = AsyncEngine.from_engine_args(max_model_len=256, max_num_seqs=8, engine_process=True)
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        with pytest.raises(EngineDeadError, match="exited"):
+            async for _ in eng.generate(PROMPTS[0], params, "doomed"):
+                eng._core._process.kill()
+        with pytest.raises(EngineDeadError):
+            await _collect(eng, PROMPTS[1], "after-death")
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), timeout=30))
+        assert not eng.is_healthy
+    finally:
+        eng.shutdown()
+
+
+def test_output_deltas_rebuild_the_cumulative_outputs():
+    """What crosses from the engine process: deltas, also where a stop string cut the text."""
+
+    def out(text, ids, finished=False, lp=True):
+        logprobs = [TokenLogprobs(t, -0.5, 1, {t: -0.5}) for t in ids] if lp else None
+        completion = CompletionOutput(0, text, ids, "stop" if finished else None, logprobs=logprobs)
+        return RequestOutput("r", "p", [1, 2], [completion], finished, num_cached_tokens=1)
+
+    steps = [out("He", [5]), out("Hello", [5, 6]), out("Hello wo", [5, 6, 7])]
+    steps.append(out("Hello", [5, 6, 7], finished=True))  # the stop string " wo" cut off
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    for expected in steps:
+        (got,) = decoder.decode(encoder.encode([expected]))
+        assert got == expected
+    assert encoder._sent == {} and decoder._last == {}
