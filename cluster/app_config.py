@@ -57,7 +57,8 @@ class ServeOptions(BaseModel):
     target_ongoing_requests: float | None = Field(default=None, gt=0)
     """Requests per replica the autoscaler aims at; default: half of max_ongoing_requests."""
     max_ongoing_requests: int | None = Field(default=None, gt=0)
-    """Requests one replica takes at once; default: the engine's max_num_seqs (256)."""
+    """Requests one replica takes at once; default: max_num_seqs if given, else 1024 with
+    GPUs (the engine's default on a 70 GiB+ card) and 256 without."""
     max_queued_requests: int | None = Field(default=None, ge=0)
     """Requests waiting for a replica; more get 429. Default: 4 x max_ongoing_requests."""
     upscale_delay_s: float = Field(default=30.0, ge=0)
@@ -118,6 +119,17 @@ def _engine_fields() -> dict[str, Any]:
     for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
         for name, info in cls.model_fields.items():
             fields.setdefault(name, (info.annotation, info))
+    # None: the engine picks from the GPU (vLLM's defaults: 1024 on a 70 GiB+ card).
+    fields["max_num_seqs"] = (
+        int | None,
+        Field(
+            default=None, gt=0, description="picked by the engine: 1024 on a 70 GiB+ GPU, else 256"
+        ),
+    )
+    fields["max_num_batched_tokens"] = (
+        int | None,
+        Field(default=None, gt=0, description="picked by the engine: 8192 when serving"),
+    )
     fields["policy"] = (Literal["fcfs", "priority"], Field(default="priority"))
     fields["device"] = (Literal["cpu", "cuda"] | None, Field(default=None))
     fields["enforce_eager"] = (bool, Field(default=False))
@@ -137,9 +149,8 @@ class AppConfig(_AppConfigBase):
     """
 
     def engine_args(self) -> dict[str, Any]:
-        """The engine keys that were given; the engine resolves the rest. max_num_seqs is
-        always passed: it is also the replica's default max_ongoing_requests."""
-        given = (self.model_fields_set & ENGINE_KEYS) | {"policy", "max_num_seqs"}
+        """The engine keys that were given; the engine resolves the rest."""
+        given = (self.model_fields_set & ENGINE_KEYS) | {"policy"}
         return {k: getattr(self, k) for k in given}
 
     def with_resolved_device(self) -> AppConfig:
@@ -152,7 +163,11 @@ class AppConfig(_AppConfigBase):
     def resolved_max_ongoing_requests(self) -> int:
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
-        return self.max_num_seqs
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        # The engine's own default on a large GPU; on a smaller one (256 sequences) the rest
+        # wait in the engine's queue, as they would in vLLM's server.
+        return 1024 if self.device == "cuda" else 256
 
     def tenant(self, name: str) -> TenantConfig:
         return self.tenants.get(name) or TenantConfig()

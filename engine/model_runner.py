@@ -103,6 +103,8 @@ class ModelRunner:
     # -- set-up ---------------------------------------------------------------------------
 
     def load_model(self, source: ModelSource) -> None:
+        if self.device.type == "cuda":
+            self._non_torch_at_start = _non_torch_bytes(self.device)
         self.model = load_model(
             source,
             self.hf_config,
@@ -128,22 +130,39 @@ class ModelRunner:
         return self._profile_num_gpu_blocks()
 
     def _profile_num_gpu_blocks(self) -> int:
-        """Run a forward at the full token budget, then give what is left of the budget to KV."""
+        """Run a forward at the full token budget, then give what is left of the budget to KV.
+
+        The budget (gpu_memory_utilization x the card) is this process's: memory other
+        processes hold counts only if it leaves too little free for the budget.
+        """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        free_before, total = torch.cuda.mem_get_info(self.device)
         self._profile_run()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free_before - torch.cuda.memory_allocated(self.device)
+        # CUDA/NCCL memory outside torch's allocator that this process took since loading.
+        non_torch = max(_non_torch_bytes(self.device) - self._non_torch_at_start, 0)
+        free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.config.cache_config.gpu_memory_utilization
-        available = budget - peak - max(used_by_others, 0)
+        available = budget - peak - non_torch
         num_blocks = int(available // self.kv_block_bytes())
         if num_blocks < 2:
             raise ValueError(
                 f"no memory left for the KV cache: the model and a {self.config.scheduler_config.max_num_batched_tokens}"
                 f"-token forward take {peak / 2**30:.1f} GiB of the "
                 f"{budget / 2**30:.1f} GiB allowed by gpu_memory_utilization"
+            )
+        # The KV cache comes from free memory plus what the allocator holds unused.
+        room = (
+            free
+            + torch.cuda.memory_reserved(self.device)
+            - torch.cuda.memory_allocated(self.device)
+        )
+        if available > room:
+            raise ValueError(
+                f"gpu_memory_utilization={self.config.cache_config.gpu_memory_utilization} "
+                f"asks for {budget / 2**30:.1f} GiB of the card, but other processes leave "
+                f"room for only {room / 2**30:.1f} GiB of KV cache: lower gpu_memory_utilization"
             )
         return num_blocks
 
@@ -435,3 +454,9 @@ class PendingRunnerOutput:
                 output.logprobs[req_id] = lp
         self._output = output
         return output
+
+
+def _non_torch_bytes(device: torch.device) -> int:
+    """Device memory in use that torch's allocator did not hand out (all processes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)

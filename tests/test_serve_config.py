@@ -43,12 +43,11 @@ def test_every_engine_argument_is_an_app_key():
     )
     assert engine_fields | {"device", "enforce_eager"} == set(ENGINE_KEYS)
     config = load_app_config({"max_model_len": "256", "enable_prefix_caching": "false"})
-    # max_num_seqs always goes: it is also the replicas' default max_ongoing_requests.
+    # Batch limits left out go unset: the engine sizes them for its GPU.
     assert config.engine_args() == {
         "max_model_len": 256,
         "enable_prefix_caching": False,
         "policy": "priority",
-        "max_num_seqs": 256,
     }
 
 
@@ -69,7 +68,7 @@ def test_kvray_serve_help_lists_every_key_with_its_default(capsys):
     entries = {e.split(" ", 1)[0]: e for e in options.split(" --")}
     for name in AppConfig.model_fields:
         assert "(default: " in entries[name.replace("_", "-")], name
-    assert "--max-num-seqs VALUE (default: 256)" in help_text
+    assert "--max-num-seqs VALUE picked by the engine: 1024 on a 70 GiB+ GPU" in help_text
     assert "--request-timeout-s VALUE A request still running" in help_text
 
 
@@ -114,6 +113,9 @@ def test_placement_bundles_follow_the_parallel_config():
     one = llm_server_options(load_app_config({"device": "cuda"}))
     assert one["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}]
     assert one["ray_actor_options"]["num_gpus"] == 1.0
+    # As many requests as the engine runs at once on a large GPU (not 256: a 500-request
+    # burst then ran in two waves).
+    assert one["max_ongoing_requests"] == 1024
 
 
 def test_autoscaling_defaults_scale_before_the_engine_is_full():
