@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.app_config import load_app_config
-from cluster.deployments import build_openai_app
+from cluster.topology import use_serve_fast_path
+
+# `serve run` imports this module before it starts a local Ray: the proxy it starts then
+# reads Serve's fast-path settings from this environment.
+use_serve_fast_path()
+
+from cluster.app_config import load_app_config  # noqa: E402
+from cluster.deployments import build_openai_app  # noqa: E402
 
 
 def build_app(args: dict[str, Any]) -> Any:

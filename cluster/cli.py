@@ -84,6 +84,9 @@ def parse_serve_args(argv: list[str]) -> tuple[AppConfig, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> int:
     config, args = parse_serve_args(sys.argv[1:] if argv is None else argv)
 
+    from cluster.topology import use_serve_fast_path
+
+    use_serve_fast_path()  # before Ray's modules read it, and before a local Ray starts
     import ray
     from ray import serve
 

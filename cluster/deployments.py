@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.app_config import AppConfig
 from cluster.metrics import RayMetricsSink, ReplicaReadiness, TenantMetrics
 from cluster.tenants import TenantLimiter, TenantResolver
+from cluster.topology import SERVE_FAST_PATH_ENV
 from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -348,9 +349,9 @@ def build_openai_app(config: AppConfig) -> Any:
     limiter = None
     if config.has_tenant_limits:
         ttl = None if config.request_timeout_s is None else config.request_timeout_s + 60
-        limiter = TenantLimiterDeployment.options(ray_actor_options={"num_cpus": 0}).bind(
-            config.tenants, ttl
-        )
+        limiter = TenantLimiterDeployment.options(
+            ray_actor_options={"num_cpus": 0, "runtime_env": _replica_env()}
+        ).bind(config.tenants, ttl)
     ingress = OpenAIIngress.options(
         autoscaling_config={
             "min_replicas": config.ingress_min_replicas,
@@ -358,9 +359,13 @@ def build_openai_app(config: AppConfig) -> Any:
             "target_ongoing_requests": config.ingress_target_ongoing_requests,
         },
         max_ongoing_requests=config.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        ray_actor_options={"num_cpus": config.ingress_num_cpus, "runtime_env": _replica_env()},
     )
     return ingress.bind(server, config, limiter)
+
+
+def _replica_env() -> dict[str, Any]:
+    return {"env_vars": dict(SERVE_FAST_PATH_ENV)}
 
 
 def llm_server_options(config: AppConfig) -> dict[str, Any]:
@@ -396,6 +401,7 @@ def llm_server_options(config: AppConfig) -> dict[str, Any]:
             "num_cpus": num_cpus,
             # With one rank the engine runs in the replica and needs the GPU itself.
             "num_gpus": 1.0 if cuda and world_size == 1 else 0.0,
+            "runtime_env": _replica_env(),
         },
         "placement_group_bundles": [bundle] * world_size,
         "placement_group_strategy": "STRICT_PACK" if config.pipeline_parallel_size == 1 else "PACK",

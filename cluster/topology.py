@@ -67,12 +67,34 @@ def ray_start_command(
     return cmd
 
 
+# Ray Serve's request path as kvray runs it: handles, proxy and replicas talk gRPC, and a
+# replica runs its user code and router on its main event loop (no hop between threads per
+# streamed item). Measured (tiny model, 2-core box, bench.serve_suite): concurrency 1 TTFT
+# 22-27 -> 18-19 ms, concurrency 32 1,388-1,469 -> 2,148-2,358 tok/s. The replicas get it
+# through their runtime_env; the proxy reads it from its node's environment.
+SERVE_FAST_PATH_ENV = {
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
+
 def node_env() -> dict[str, str]:
-    """The environment kvray's nodes and drivers share (auth off unless chosen, no usage stats)."""
+    """The environment kvray's nodes and drivers share (auth off unless chosen, no usage
+    stats, Serve's fast path); a variable already set wins."""
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for key, value in SERVE_FAST_PATH_ENV.items():
+        env.setdefault(key, value)
     return env
+
+
+def use_serve_fast_path() -> None:
+    """Put Serve's fast path into this process's environment, for a Ray it starts itself."""
+    for key, value in SERVE_FAST_PATH_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 @dataclass

@@ -171,9 +171,6 @@ class _EngineProcessCalls:
         self.sink = _ForwardingSink()
         self.engine.enable_metrics(self.sink, flush_interval_s)
 
-    def check_health(self) -> None:
-        self.engine.executor.check_health()
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 

@@ -10,8 +10,9 @@ import yaml
 
 from cluster.app_config import ENGINE_KEYS, AppConfig, TenantConfig, load_app_config
 from cluster.cli import build_parser, parse_serve_args
-from cluster.deployments import llm_server_options
+from cluster.deployments import build_openai_app, llm_server_options
 from cluster.tenants import TenantLimiter, TenantResolver
+from cluster.topology import SERVE_FAST_PATH_ENV, node_env
 from engine.api.protocol import APIError
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from serve_app import build_app
@@ -103,7 +104,7 @@ def test_placement_bundles_follow_the_parallel_config():
     )
     assert cpu["placement_group_bundles"] == [{"CPU": 0.25}] * 4
     assert cpu["placement_group_strategy"] == "PACK"
-    assert cpu["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 0.0}
+    assert (cpu["ray_actor_options"]["num_cpus"], cpu["ray_actor_options"]["num_gpus"]) == (0.25, 0)
 
     gpu = llm_server_options(load_app_config({"device": "cuda", "tensor_parallel_size": 2}))
     assert gpu["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
@@ -184,3 +185,15 @@ def test_limiter_tokens_per_minute_window():
     assert refused.retry_after_s == pytest.approx(40)
     clock.now += 40
     assert limiter.acquire("a").lease_id is not None
+
+
+def test_every_deployment_and_node_runs_serves_grpc_fast_path():
+    config = load_app_config({"device": "cpu", "tenants": {"a": {"max_concurrent_requests": 1}}})
+    app = build_openai_app(config)
+    ingress = app._bound_deployment
+    limiter = ingress.init_args[2]._bound_deployment
+    server = ingress.init_args[0]._bound_deployment
+    for deployment in (ingress, limiter, server):
+        options = deployment.ray_actor_options
+        assert options["runtime_env"]["env_vars"] == SERVE_FAST_PATH_ENV, deployment.name
+    assert SERVE_FAST_PATH_ENV.items() <= node_env().items()

@@ -20,6 +20,9 @@ def start_ray() -> str:
     # Autoscaling metrics every 0.5 s instead of 10 s (read by the controller at start).
     os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
     os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    from cluster.topology import use_serve_fast_path
+
+    use_serve_fast_path()  # as `serve run serve_app:...` does: the proxy reads it at start
     import ray
     from ray import serve
 
