@@ -1,0 +1,72 @@
+#!/bin/bash
+# The measurements of one device session, stage by stage, each in a clean machine state.
+#
+#   bash bench/device_run.sh STAGE...      stages: tests tests2 offline serve tp
+#
+# tests:   GPU tests of one GPU (kernels, model, sampler)
+# tests2:  GPU tests of two GPUs (TP=2 / PP=2 equality)
+# offline: bench.suite for llama3-8b (with the HF baseline) and qwen3-0.6b
+# serve:   bench.serve_suite (llama3-8b shape) against a Ray started without a dashboard
+# tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
+#
+# Logs go to $OUT (or ./device-logs); benchmark lines are recorded to bench/results.jsonl
+# there too (copied to $OUT). Between stages every Ray and worker process is stopped: a
+# stage killed at its time limit once left NCCL workers spinning on the GPUs, and the next
+# stage measured them instead. Set KVRAY_COMMIT to the commit under test.
+set -u
+out=${OUT:-device-logs}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+summary='import sys, json
+keys = ("bench", "workload", "label", "serve_ready_s", "ms_per_token", "roofline_ms_per_token",
+        "output_tok_s", "total_tok_s", "baseline_output_tok_s", "p50_ttft_ms", "p99_ttft_ms",
+        "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "total_token_throughput", "startup_s")
+for line in sys.stdin:
+    if line.startswith("{"):
+        d = json.loads(line)
+        print({k: d[k] for k in keys if k in d}, flush=True)'
+
+clean() {
+    ray stop --force >/dev/null 2>&1
+    pkill -9 -f "ray::" >/dev/null 2>&1
+    pkill -9 -f "serve run" >/dev/null 2>&1
+    sleep 2
+}
+
+stage() {  # stage NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    python3 -c "$summary" <"$out/$name.log"
+    [ $rc -eq 0 ] || { echo "$name: exit $rc"; tail -5 "$out/$name.log"; }
+    clean
+}
+
+for s in "$@"; do
+    case $s in
+    tests) stage tests 200 python -m pytest -m gpu -q tests/test_kernels.py \
+        tests/test_gpu_model.py tests/test_sampler.py ;;
+    tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
+    offline)
+        stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
+        stage offline-qwen3-0.6b 120 python -m bench.suite --model-shape qwen3-0.6b --record ;;
+    serve)
+        # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
+        eval "$(python3 -c 'from cluster.topology import SERVE_FAST_PATH_ENV as e
+print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
+        ray start --head --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
+        export RAY_ADDRESS=auto
+        stage serve 420 python -m bench.serve_suite --model llama3-8b \
+            --load-format dummy --ready-timeout-s 180 --record
+        unset RAY_ADDRESS
+        cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;
+    tp) stage tp2-llama3-8b 240 python -m bench.suite --model-shape llama3-8b \
+        --tensor-parallel-size 2 --only latency throughput --record ;;
+    *) echo "unknown stage $s" ;;
+    esac
+done
+tail -n +1 bench/results.jsonl >"$out/results.jsonl"
