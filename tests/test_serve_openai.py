@@ -1,6 +1,8 @@
 """The Serve app end to end: real Ray Serve, real HTTP on 127.0.0.1, the official client.
 
-One app (bundled SmolLM2 on CPU) serves the whole module; tenants come from API keys.
+One app (bundled SmolLM2 on CPU) serves the whole module; tenants come from API keys. Its
+engine runs in an engine process, as on one GPU (test_cluster_serve covers the engine on a
+thread of the replica, as with tensor parallelism).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ARGS = {
     "max_ongoing_requests": 8,
     "max_queued_requests": 16,
     "num_cpus": 0.25,
+    "engine_process": True,
     "ingress_max_replicas": 1,
     "api_keys": KEYS,
     "tenants": {
