@@ -371,11 +371,8 @@ class AsyncEngine:
 
 
 def _one_gpu(engine_args: dict) -> bool:
-    if engine_args.get("device") not in (None, "cuda"):
-        return False
-    tp = engine_args.get("tensor_parallel_size") or 1
-    if tp * (engine_args.get("pipeline_parallel_size") or 1) != 1:
-        return False
-    import torch
+    from engine.config import resolve_device
 
-    return torch.cuda.is_available()
+    tp = engine_args.get("tensor_parallel_size") or 1
+    world = tp * (engine_args.get("pipeline_parallel_size") or 1)
+    return world == 1 and resolve_device(engine_args.get("device")) == "cuda"

@@ -114,9 +114,7 @@ class EngineConfig(_Frozen):
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
 
-        device = engine_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        device = resolve_device(engine_args.get("device"))
         model_args = {k: v for k, v in engine_args.items() if k in fields[ModelConfig]}
         dtype = model_args.get("dtype", "auto")
         if dtype == "auto":
@@ -155,6 +153,14 @@ class EngineConfig(_Frozen):
 
 
 UsageContext = Literal["offline", "server"]
+
+
+def resolve_device(device: str | None) -> str:
+    """The engine's device: as given, else cuda when torch sees a GPU, else cpu."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return device
 
 
 def default_batch_limits(

@@ -8,7 +8,8 @@ the engine steps at full speed and the caller's loop only turns results into res
 
 Protocol. Parent -> child: core_loop ops, or None to stop. Child -> parent: ("ready",
 info) once, then ("results", ...) after every round that produced something and after
-every step, or ("dead", message). Outputs cross as deltas (`OutputDeltas`): a request's
+every step, or ("dead", message). Outputs cross as deltas (`OutputEncoder` and
+`OutputDecoder`): a request's
 cumulative output would cost a copy of every token so far on every step.
 """
 
@@ -18,16 +19,15 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable
+from os.path import commonprefix
 from typing import Any
 
 from engine.core_loop import CoreLoop, Op, Results
 from engine.outputs import CompletionOutput, RequestOutput
 
-# A delta of one completion: (index, text length kept, new text, new token ids,
-# new logprobs or None, finish_reason, stop_reason).
-_CompletionDelta = tuple
-# A delta of one request: (request_id, finished, num_cached_tokens, prompt info on the
-# first delta of a request else None, completion deltas).
+# A delta of one request: (request_id, finished, num_cached_tokens, (prompt, prompt ids) on
+# its first delta else None, completion deltas). A completion delta: (index, text length
+# kept, new text, new token ids, new logprobs or None, finish_reason, stop_reason).
 _RequestDelta = tuple
 
 
@@ -48,7 +48,7 @@ class OutputEncoder:
             completions = []
             for i, c in enumerate(out.outputs):
                 n_ids, text, n_logprobs = sent[i] if i < len(sent) else (0, "", 0)
-                keep = len(text) if c.text.startswith(text) else _common_prefix(text, c.text)
+                keep = len(text) if c.text.startswith(text) else len(commonprefix([text, c.text]))
                 n_ids = min(n_ids, len(c.token_ids))
                 new_logprobs = None
                 if c.logprobs is not None:
@@ -129,15 +129,6 @@ class OutputDecoder:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._last.pop(request_id, None)
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class _ForwardingSink:

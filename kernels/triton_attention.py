@@ -41,6 +41,17 @@ PREFILL_CONFIG_FP32 = (32, 16, 8, 2)
 
 
 @triton.jit
+def paged_slot_offsets(slot, h, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """Offsets of heads `h` x dims `d` of cache slot `slot` (block slot // BLOCK_SIZE)."""
+    return (
+        (slot // BLOCK_SIZE) * stride_cb
+        + (slot % BLOCK_SIZE) * stride_cs
+        + h[:, None] * stride_ch
+        + d[None, :]
+    )
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -67,12 +78,7 @@ def _store_kv_kernel(
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-    cache_off = (
-        (slot // BLOCK_SIZE) * stride_cb
-        + (slot % BLOCK_SIZE) * stride_cs
-        + h[:, None] * stride_ch
-        + d[None, :]
-    )
+    cache_off = paged_slot_offsets(slot, h, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
     k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_attention import paged_slot_offsets
+
 
 @triton.jit
 def _rotate(
@@ -86,12 +88,7 @@ def _rotary_kernel(
             return
         h = tl.arange(0, BLOCK_HKV)
         mask = (h[:, None] < num_kv_heads) & (j[None, :] < HALF)
-        cache_lo = (
-            (slot // BLOCK_SIZE) * stride_cb
-            + (slot % BLOCK_SIZE) * stride_cs
-            + h[:, None] * stride_ch
-            + j[None, :]
-        )
+        cache_lo = paged_slot_offsets(slot, h, j, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         # The key as rotated in place (rounded to its dtype), as a separate store would copy it.
         cache_ty = k_cache_ptr.dtype.element_ty
         tl.store(k_cache_ptr + cache_lo, k1.to(cache_ty), mask=mask)
