@@ -8,6 +8,9 @@
 # offline: bench.suite for llama3-8b (with the HF baseline) and qwen3-0.6b
 # serve:   bench.serve_suite (llama3-8b shape) against a Ray started without a dashboard
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
+# profile: GEMV micro-benchmark, qwen3-0.6b mixed workload step by step, llama3-8b batch-1
+#          kernel table
+# latency: bench.suite batch-1 decode for llama3-8b and qwen3-0.6b (recorded)
 #
 # Logs go to $OUT (or ./device-logs); benchmark lines are recorded to bench/results.jsonl
 # there too (copied to $OUT). Between stages every Ray and worker process is stopped: a
@@ -50,6 +53,16 @@ for s in "$@"; do
     case $s in
     tests) stage tests 200 python -m pytest -m gpu -q tests/test_kernels.py \
         tests/test_gpu_model.py tests/test_sampler.py ;;
+    profile)
+        stage kernels-gemv 120 python -m bench.kernels --only gemv
+        stage profile-qwen3-mixed 180 python -m bench.profile_step workload \
+            --model-shape qwen3-0.6b --workload mixed
+        stage profile-llama3-8b-b1 120 python -m bench.profile_step kernels \
+            --model-shape llama3-8b ;;
+    latency)
+        stage latency-llama3-8b 120 python -m bench.suite --model-shape llama3-8b \
+            --only latency --record
+        stage latency-qwen3-0.6b 90 python -m bench.suite --model-shape qwen3-0.6b --record ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record

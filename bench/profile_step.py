@@ -115,10 +115,110 @@ def kernel_table(argv: list[str] | None = None) -> None:
     )
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def workload_profile(argv: list[str] | None = None) -> None:
+    """A suite workload step by step: where its wall time goes, then GPU time per kernel over
+    a window of decode steps in the middle of the run (CUDA graphs on, as measured).
+
+    python -m bench.profile_step workload --model-shape qwen3-0.6b --workload mixed
+    """
+    from bench.suite import WORKLOADS, workload_requests
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parser.add_argument("--workload", default="mixed")
+    parser.add_argument("--window", type=int, default=20, help="decode steps under the profiler")
+    args = parser.parse_args(argv)
+    llm, _ = build_llm(args)
+    engine = llm.engine
+    ((_, n, inp, out),) = [w for w in WORKLOADS[args.model_shape] if w[0] == args.workload]
+    prompts, params = workload_requests(args.workload, n, inp, out, engine.vocab_size, args.seed)
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
+    scheduled: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule(*a, **k):
+        so = schedule(*a, **k)
+        scheduled.append((so.total_num_scheduled_tokens, len(so.num_scheduled_tokens)))
+        return so
+
+    engine.scheduler.schedule = recording_schedule
+
+    def run(profile_from: int | None = None):
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"w{len(scheduled)}-{i}", p, sp)
+        steps, prof, num_out = [], None, 0
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            if profile_from is not None and len(steps) == profile_from:
+                from torch.profiler import ProfilerActivity, profile
+
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                prof.__enter__()
+            t = time.perf_counter()
+            for o in engine.step():
+                num_out += len(o.outputs[0].token_ids) if o.finished else 0
+            steps.append(time.perf_counter() - t)
+            if prof is not None and len(steps) == profile_from + args.window:
+                _sync()
+                prof.__exit__(None, None, None)
+        _sync()
+        return time.perf_counter() - start, steps, prof, num_out
+
+    scheduled.clear()
+    wall, steps, _, num_out = run()
+    sched = scheduled[: len(steps)]
+    print(f"{args.workload}: {wall:.2f} s, {num_out / wall:.0f} output tok/s, {len(steps)} steps")
+    prefill = [(t, s) for t, s in zip(steps, sched, strict=True) if s[0] > s[1]]
+    decode = [(t, s) for t, s in zip(steps, sched, strict=True) if s[0] == s[1] > 0]
+    other = len(steps) - len(prefill) - len(decode)
+    print(
+        f"  steps with prefill tokens: {len(prefill)}, {sum(t for t, _ in prefill):.2f} s, "
+        f"{sum(s[0] for _, s in prefill)} tokens; empty steps: {other}"
+    )
+    print(f"  decode-only steps: {len(decode)}, {sum(t for t, _ in decode):.2f} s")
+    for lo in range(0, max((s[1] for _, s in decode), default=0) + 1, 32):
+        group = [t for t, s in decode if lo < s[1] <= lo + 32]
+        if group:
+            group.sort()
+            print(
+                f"    batch {lo + 1:4d}-{lo + 32:4d}: {len(group):5d} steps, "
+                f"median {group[len(group) // 2] * 1e3:7.3f} ms, sum {sum(group):6.2f} s"
+            )
+    # The same run again, profiled over a window of decode steps in its middle.
+    middle = next((i for i, s in enumerate(sched) if s[0] == s[1] and i > len(sched) // 3), 0)
+    scheduled.clear()
+    _, steps, prof, _ = run(profile_from=middle)
+    window = scheduled[middle : middle + args.window]
+    wall_ms = sum(steps[middle : middle + args.window]) * 1e3
+    print(
+        f"profiled steps {middle}..{middle + args.window}: {wall_ms:.2f} ms wall, "
+        f"batch {window[0][1] if window else 0}..{window[-1][1] if window else 0}"
+    )
+    if prof is not None:
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=30, max_name_column_width=70
+            )
+        )
+        print(
+            prof.key_averages().table(
+                sort_by="cpu_time_total", row_limit=20, max_name_column_width=70
+            )
+        )
+
+
 if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["kernels"]:
         kernel_table(sys.argv[2:])
+    elif sys.argv[1:2] == ["workload"]:
+        workload_profile(sys.argv[2:])
     else:
         main()

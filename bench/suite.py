@@ -82,20 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.record,
             )
             continue
-        rng = random.Random(args.seed)
-        if name == "mixed":
-            prompts = [
-                [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)
-            ]
-            params = [
-                SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
-                for _ in range(n)
-            ]
-        else:
-            prompts = random_prompts(n, inp, vocab, args.seed)
-            params = SamplingParams(
-                temperature=0.0, max_tokens=out, min_tokens=out, ignore_eos=True
-            )
+        prompts, params = workload_requests(name, n, inp, out, vocab, args.seed)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         torch.cuda.synchronize()
@@ -118,6 +105,20 @@ def main(argv: list[str] | None = None) -> None:
             result["baseline_output_tok_s"] = round(hf_tok_s, 1)
         emit(result, args.record)
     print(json.dumps({"done": True}))
+
+
+def workload_requests(name, n, inp, out, vocab, seed):
+    """The prompts and sampling params of one throughput workload."""
+    if name == "mixed":
+        rng = random.Random(seed)
+        prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+        params = [
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
+            for _ in range(n)
+        ]
+        return prompts, params
+    prompts = random_prompts(n, inp, vocab, seed)
+    return prompts, SamplingParams(temperature=0.0, max_tokens=out, min_tokens=out, ignore_eos=True)
 
 
 def _hf_tok_s(args, prompts, out: int) -> float:
