@@ -8,7 +8,7 @@
 # offline: bench.suite for llama3-8b (with the HF baseline) and qwen3-0.6b
 # serve:   bench.serve_suite (llama3-8b shape) against a Ray started without a dashboard
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
-# profile: GEMV micro-benchmark, qwen3-0.6b mixed workload step by step, llama3-8b batch-1
+# profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
 #          kernel table
 # latency: bench.suite batch-1 decode for llama3-8b and qwen3-0.6b (recorded)
 #
@@ -54,7 +54,6 @@ for s in "$@"; do
     tests) stage tests 200 python -m pytest -m gpu -q tests/test_kernels.py \
         tests/test_gpu_model.py tests/test_sampler.py ;;
     profile)
-        stage kernels-gemv 120 python -m bench.kernels --only gemv
         stage profile-qwen3-mixed 180 python -m bench.profile_step workload \
             --model-shape qwen3-0.6b --workload mixed
         stage profile-llama3-8b-b1 120 python -m bench.profile_step kernels \

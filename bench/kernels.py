@@ -1,6 +1,6 @@
 """Micro-benchmark of the Triton kernels on one CUDA GPU.
 
-    python -m bench.kernels [--out results.json] [--sweep] [--only gemv ...]
+    python -m bench.kernels [--out results.json] [--sweep] [--only decode ...]
 
 Measures the device-to-device copy bandwidth (bytes read + written) as the ceiling,
 then paged decode attention at batch 64 / context 4096 / 32 q heads / 8 kv heads /
@@ -323,51 +323,15 @@ def bench_elementwise(copy_gbps: float) -> None:
     )
 
 
-# (name, N, K) of the batch-1 linear layers of llama3-8b and qwen3-0.6b.
-GEMV_SHAPES = [
-    ("llama3-8b qkv_proj", 6144, 4096),
-    ("llama3-8b o_proj", 4096, 4096),
-    ("llama3-8b gate_up_proj", 28672, 4096),
-    ("llama3-8b down_proj", 4096, 14336),
-    ("qwen3-0.6b qkv_proj", 4096, 1024),
-    ("qwen3-0.6b down_proj", 1024, 3072),
-]
-
-
-def bench_gemv(copy_gbps: float) -> None:
-    """One-row linear layers: the Triton GEMV against F.linear (cuBLAS), L2 flushed per run."""
-    from kernels.triton_gemv import _CONFIGS, _tuned, gemv_triton
-
-    for name, n, k in GEMV_SHAPES:
-        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
-        err = rel_err(gemv_triton(x, w), F.linear(x.float(), w.float()).bfloat16())
-        nbytes = w.numel() * 2
-        ms = bench_ms(lambda x=x, w=w: gemv_triton(x, w))
-        gbps = nbytes / ms / 1e6
-        config = _tuned.get((n, k, torch.bfloat16), _CONFIGS[0])
-        record(
-            f"gemv 1x{k} @ {n}x{k} ({name})",
-            ms,
-            GBps=gbps,
-            pct_copy=100 * gbps / copy_gbps,
-            rel_err=err,
-            config=str(config),
-        )
-        ms_t = bench_ms(lambda x=x, w=w: F.linear(x, w))
-        gbps_t = nbytes / ms_t / 1e6
-        record("  F.linear (cuBLAS)", ms_t, GBps=gbps_t, pct_copy=100 * gbps_t / copy_gbps)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time tile configurations")
     parser.add_argument(
-        "--only", nargs="*", help="sections: decode prefill elementwise gemv (default all)"
+        "--only", nargs="*", help="sections: decode prefill elementwise (default all)"
     )
     args = parser.parse_args()
-    sections = set(args.only or ["decode", "prefill", "elementwise", "gemv"])
+    sections = set(args.only or ["decode", "prefill", "elementwise"])
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
@@ -378,8 +342,6 @@ def main() -> None:
         bench_prefill(args.sweep)
     if "elementwise" in sections:
         bench_elementwise(copy_gbps)
-    if "gemv" in sections:
-        bench_gemv(copy_gbps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": props.name, "results": RESULTS}, f, indent=1, default=str)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
@@ -86,20 +85,6 @@ def rotary_store_kv(positions, query, key, value, cos_sin_cache, kv_cache, slot_
     store_kv_ref(key, value, kv_cache, slot_mapping)
 
 
-def linear(x, weight, bias=None):
-    """F.linear; one-row inputs in half precision on a GPU take the Triton GEMV."""
-    if (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and use_triton(x)
-    ):
-        from kernels.triton_gemv import gemv_triton
-
-        return gemv_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def silu_and_mul(x):
     if use_triton(x):
         from kernels.triton_activation import silu_and_mul_triton
@@ -111,7 +96,6 @@ def silu_and_mul(x):
 __all__ = [
     "apply_rotary",
     "fused_add_rms_norm",
-    "linear",
     "paged_attention",
     "rms_norm",
     "rotary_store_kv",

@@ -529,36 +529,6 @@ def test_triton_silu_and_mul(dtype, inter):
     assert_matches(silu_and_mul_triton(x), silu_and_mul_ref(x))
 
 
-# The interpreter runs one program at a time: llama3-8b's qkv_proj and a long K on GPUs only.
-GEMV_SHAPES = [(576, 576), (100, 1000)] + (
-    [(6144, 4096), (1536, 8960)] if HAS_CUDA else [(48, 3000)]
-)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
-@pytest.mark.parametrize("n,k", GEMV_SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
-@triton_test
-def test_triton_gemv_matches_linear(dtype, n, k, bias):
-    from kernels.triton_gemv import gemv_triton
-
-    x = torch.randn(1, k, device=DEVICE).to(dtype)
-    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
-    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
-    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    out = gemv_triton(x, w, b)
-    assert out.shape == (1, n) and out.dtype == dtype
-    assert_matches(out, ref.to(dtype))
-
-
-def test_linear_takes_one_row_half_inputs_to_the_gemv_only():
-    # Any other shape or dtype is plain F.linear, on any device.
-    x, w = torch.randn(3, 64), torch.randn(32, 64)
-    assert torch.equal(kernels.linear(x, w), F.linear(x, w))
-    x1 = torch.randn(1, 64)
-    assert torch.equal(kernels.linear(x1, w), F.linear(x1, w))
-
-
 @gpu_test
 def test_cuda_tensors_dispatch_to_triton_unless_forced_to_references(monkeypatch):
     from kernels.triton_attention import paged_attention_triton

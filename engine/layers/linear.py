@@ -11,6 +11,7 @@ checkpoint tensor and copies this rank's part of it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import (
@@ -20,7 +21,6 @@ from engine.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from kernels import linear
 
 
 def check_shape(
@@ -70,7 +70,7 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -91,7 +91,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -167,5 +167,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank holds the whole bias; only rank 0 adds it, so the sum counts it once.
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y) if self.reduce_results else y
