@@ -10,7 +10,8 @@
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
 #          kernel table
-# latency: bench.suite batch-1 decode for llama3-8b and qwen3-0.6b (recorded)
+# latency: bench.suite batch-1 decode for llama3-8b
+# qwen3:   bench.suite for qwen3-0.6b (batch-1 decode, mixed lengths)
 #
 # Logs go to $OUT (or ./device-logs); benchmark lines are recorded to bench/results.jsonl
 # there too (copied to $OUT). Between stages every Ray and worker process is stopped: a
@@ -58,10 +59,9 @@ for s in "$@"; do
             --model-shape qwen3-0.6b --workload mixed
         stage profile-llama3-8b-b1 120 python -m bench.profile_step kernels \
             --model-shape llama3-8b ;;
-    latency)
-        stage latency-llama3-8b 120 python -m bench.suite --model-shape llama3-8b \
-            --only latency --record
-        stage latency-qwen3-0.6b 90 python -m bench.suite --model-shape qwen3-0.6b --record ;;
+    latency) stage latency-llama3-8b 120 python -m bench.suite --model-shape llama3-8b \
+        --only latency --record ;;
+    qwen3) stage offline-qwen3-0.6b 120 python -m bench.suite --model-shape qwen3-0.6b --record ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record

@@ -3,8 +3,10 @@ sampling with per-request seeds, and logprobs.
 
 The model runner builds a `SamplingBatch` once per step (host lists -> device tensors) and
 calls `sample()`. Every row is processed by one batched kernel chain; only the random draws
-of seeded rows loop, each on its request's own generator. The one host sync is the final
-copy of the sampled ids (and logprobs) back to Python.
+of seeded rows loop, each on its request's own generator. On a GPU, plain temperature
+sampling (no top-k/top-p/min-p, penalties, min_tokens, logprobs or seeded rows) is one
+Triton pass instead. The one host sync is the final copy of the sampled ids (and logprobs)
+back to Python.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from kernels import use_triton
 
 
 @dataclass
@@ -160,6 +163,15 @@ def sample_on_device(
     logits: torch.Tensor, batch: SamplingBatch
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sampled ids [B], raw logprobs [B, V] or None) without waiting for the device."""
+    if _one_pass_eligible(logits, batch):
+        from kernels.triton_sampling import gumbel_sample_triton
+
+        # Seeded rows keep their generators (below); the others draw from the global one.
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        sampled = gumbel_sample_triton(
+            logits, batch.temperature, batch.greedy, seed, batch.vocab_size
+        )
+        return sampled, None
     # A private float32 copy: everything below works in place, the caller's logits stay intact.
     logits = logits[:, : batch.vocab_size].to(torch.float32, copy=True)
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
@@ -189,6 +201,22 @@ def sample_on_device(
             sampled = torch.where(batch.greedy, greedy_ids, sampled)
 
     return sampled, raw_logprobs
+
+
+def _one_pass_eligible(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """Temperature sampling with nothing to change in the logits first and no seeded row:
+    one Triton pass (kernels/triton_sampling.py) instead of the chain below."""
+    return (
+        not batch.all_greedy
+        and use_triton(logits)
+        and batch.max_num_logprobs is None
+        and batch.min_tokens_mask is None
+        and batch.output_token_counts is None
+        and batch.top_k is None
+        and batch.top_p is None
+        and batch.min_p is None
+        and not batch.generators
+    )
 
 
 def apply_penalties(

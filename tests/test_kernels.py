@@ -529,6 +529,61 @@ def test_triton_silu_and_mul(dtype, inter):
     assert_matches(silu_and_mul_triton(x), silu_and_mul_ref(x))
 
 
+def sampling_logits(
+    rows: int, vocab: int, padded: int, chunk: int
+) -> tuple[torch.Tensor, dict[int, float]]:
+    """Rows of one distribution over a few tokens spread across the kernel's vocab chunks;
+    every other token -inf, padding past `vocab` huge (it must never be picked)."""
+    support = {3: 1.0, chunk - 1: 0.0, chunk: -0.5, vocab - 1: 0.7}
+    logits = torch.full((rows, padded), float("-inf"))
+    logits[:, vocab:] = 1e4
+    for t, v in support.items():
+        logits[:, t] = v
+    return logits, support
+
+
+# The interpreter runs one program at a time: on CPU one temperature and few rows.
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0] if HAS_CUDA else [0.7])
+@triton_test
+def test_triton_gumbel_sample_follows_softmax_of_scaled_logits(temperature):
+    from kernels.triton_sampling import gumbel_sample_triton
+
+    rows, vocab, chunk = (20000, 20000, 8192) if HAS_CUDA else (300, 2500, 1024)
+    logits, support = sampling_logits(rows, vocab, vocab + 64, chunk)
+    logits = logits.to(DEVICE, HALF if HAS_CUDA else torch.float32)
+    temps = torch.full((rows, 1), temperature, device=DEVICE)
+    ids = gumbel_sample_triton(logits, temps, None, 1234, vocab, chunk).cpu()
+    assert ids.dtype == torch.int64 and ids.shape == (rows,)
+    assert set(ids.tolist()) <= set(support)
+    tokens = torch.tensor(list(support))
+    expected = torch.softmax(torch.tensor(list(support.values())) / temperature, 0)
+    counts = torch.stack([(ids == t).sum() for t in tokens]).float()
+    sigma = (rows * expected * (1 - expected)).sqrt()
+    assert ((counts - rows * expected).abs() <= 5 * sigma + 1).all(), (counts, rows * expected)
+    # Another seed, other draws; the same seed, the same draws.
+    again = gumbel_sample_triton(logits, temps, None, 1234, vocab, chunk).cpu()
+    other = gumbel_sample_triton(logits, temps, None, 99, vocab, chunk).cpu()
+    assert torch.equal(ids, again) and not torch.equal(ids, other)
+
+
+@triton_test
+def test_triton_gumbel_sample_greedy_rows_take_the_first_argmax():
+    from kernels.triton_sampling import gumbel_sample_triton
+
+    vocab = 2500
+    logits = torch.randn(6, vocab)
+    logits[:, 2100] = 50.0
+    logits[0, 17] = 50.0  # a tie with a lower id: argmax's first
+    greedy = torch.tensor([True, True, False, True, False, False])
+    temps = torch.full((6, 1), 0.7)
+    ids = gumbel_sample_triton(
+        logits.to(DEVICE), temps.to(DEVICE), greedy.to(DEVICE), 5, vocab, chunk=1024
+    ).cpu()
+    assert ids[0] == 17 and ids[1] == 2100 and ids[3] == 2100
+    # Random rows: the 50.0 logit outweighs the rest at T=0.7 but need not be the answer.
+    assert all(0 <= i < vocab for i in ids.tolist())
+
+
 @gpu_test
 def test_cuda_tensors_dispatch_to_triton_unless_forced_to_references(monkeypatch):
     from kernels.triton_attention import paged_attention_triton

@@ -304,3 +304,28 @@ def test_cuda_greedy_matches_cpu_and_seeded_rows_are_batch_independent():
     assert gpu[0::2] == cpu[0::2]
     # Rows 1 and 3: same logits, same seed, each on its own generator.
     assert gpu[1] == gpu[3] == run_cuda([1])[0] == run_cuda([3, 0])[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_plain_temperature_batches_take_one_pass_and_keep_greedy_rows(monkeypatch):
+    import kernels.triton_sampling as ts
+
+    calls = []
+    one_pass = ts.gumbel_sample_triton
+    monkeypatch.setattr(
+        ts, "gumbel_sample_triton", lambda *a, **k: calls.append(1) or one_pass(*a, **k)
+    )
+    logits = torch.randn(3, V, generator=seeded(4)).cuda()
+    logits[1, 7] = 100.0  # at T=0.8 every draw of row 1 lands on token 7
+    params = [SamplingParams(temperature=t) for t in (0, 0.8, 0.8)]
+    batch = build_sampling_batch(params, [[1]] * 3, [[]] * 3, [None] * 3, EOS, V, "cuda")
+    ids = sample(logits, batch).token_ids
+    assert calls and ids[0] == int(logits[0].argmax()) and ids[1] == 7
+    # A seeded row keeps its own generator: the batch takes the torch chain.
+    calls.clear()
+    params[2] = SamplingParams(temperature=0.8, seed=3)
+    gens = [None, None, torch.Generator("cuda").manual_seed(3)]
+    batch = build_sampling_batch(params, [[1]] * 3, [[]] * 3, gens, EOS, V, "cuda")
+    ids = sample(logits, batch).token_ids
+    assert not calls and ids[0] == int(logits[0].argmax()) and ids[1] == 7
