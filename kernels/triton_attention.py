@@ -25,6 +25,10 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
+# Integer arguments that change from step to step (block-table width, partition size) are
+# left unspecialized: Triton would otherwise compile a variant per class of value (1, a
+# multiple of 16, other) the first time each appears, in the middle of serving.
+
 # Decode tuning, chosen from bench/kernels.py on an H200 (see bench/NOTES-kernels.md).
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
@@ -184,7 +188,7 @@ def _seq_partition(seq_len, num_splits, max_partition, BLOCK_N: tl.constexpr):
     return tl.minimum(tl.maximum(part, BLOCK_N), max_partition)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "stride_bt", "stride_lb"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -262,7 +266,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + req * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "stride_lb"])
 def _decode_merge_kernel(
     out_ptr,
     part_out_ptr,
@@ -314,7 +318,7 @@ def _decode_merge_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
