@@ -40,6 +40,9 @@ DECODE_CASES = [
     ("decode B64 ctx4096 9q/3kv D64 bf16 (SmolLM2)", (64, 4096, 9, 3, 64, torch.bfloat16)),
     ("decode B1 ctx32768 32q/8kv D128 bf16", (1, 32768, 32, 8, 128, torch.bfloat16)),
     ("decode B256 ctx1024 32q/8kv D128 bf16", (256, 1024, 32, 8, 128, torch.bfloat16)),
+    # qwen3-0.6b's mixed workload in its middle: batch ~165, context ~900.
+    ("decode B165 ctx900 16q/8kv D128 bf16 (qwen3)", (165, 900, 16, 8, 128, torch.bfloat16)),
+    ("decode B96 ctx1200 16q/8kv D128 bf16 (qwen3)", (96, 1200, 16, 8, 128, torch.bfloat16)),
 ]
 # (name, (num_seqs, q_len, cached prefix len, num_heads, num_kv_heads, head_dim, dtype))
 PREFILL_CASES = [
