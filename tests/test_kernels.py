@@ -358,6 +358,17 @@ def test_triton_paged_attention_batch_shapes(q_lens, ctx_lens, block_size):
     assert_matches(paged_attention_triton(**batch), run_ref(batch))
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (8, 8)])
+@triton_test
+def test_triton_paged_decode_wide_tiles_for_small_groups(num_heads, num_kv_heads):
+    # One split and <= 2 query heads per kv head: the decode reads keys in wider tiles.
+    from kernels.triton_attention import paged_attention_triton
+
+    q_lens, ctx = scenario("decode", seed=num_heads)
+    batch = make_paged_batch(q_lens, ctx, num_heads, num_kv_heads, 128, 16, HALF, DEVICE)
+    assert_matches(paged_attention_triton(**batch, num_splits=1), run_ref(batch))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 7, 64])
 @triton_test
 def test_triton_paged_decode_any_split_count(num_splits):
