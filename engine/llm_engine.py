@@ -86,18 +86,21 @@ class LLMEngine:
         """Steps launched whose tokens are not read yet, oldest first."""
         self.metrics: EngineMetrics | None = None
         if config.device == "cuda":
-            self._warm_up()
+            self.warm_up()
 
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """A few tiny requests through a prefill over a block table, decodes, greedy and
-        random sampling: Triton compiles these kernels now, not during the first requests."""
+        random sampling: Triton compiles these kernels now, not during the first requests.
+        They leave nothing behind: no cached blocks, no prefix-cache counts."""
         token = min(self.vocab_size - 1, 100)
         for i, (length, temperature) in enumerate(((40, 0.0), (17, 1.0))):
             params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
             self.add_request(f"kvray-warm-up-{i}", [token + i] * length, params)
         while self.has_unfinished_requests():
             self.step()
-        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        kv = self.scheduler.kv_cache_manager
+        kv.reset_prefix_cache()
+        kv.prefix_cache_queries = kv.prefix_cache_hits = 0
 
     def enable_metrics(self, sink: MetricsSink, flush_interval_s: float = 1.0) -> None:
         """Record engine metrics into `sink` from the next request on (see engine/metrics.py)."""

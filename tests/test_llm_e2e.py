@@ -267,3 +267,22 @@ def test_final_only_requests_give_one_output_and_cumulative_ones_one_per_step():
     assert [len(o.outputs[0].token_ids) for o in seen["steps"]] == [1, 2, 3, 4, 5, 6]
     assert seen["final"][0].outputs[0].token_ids == seen["steps"][-1].outputs[0].token_ids
     assert seen["final"][0].outputs[0].text == seen["steps"][-1].outputs[0].text
+
+
+def test_warm_up_leaves_no_state_behind():
+    # Engines on a GPU run warm_up() at start; a user's first request must not see it.
+    llm = LLM()
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    before = llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids
+    engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    engine.warm_up()
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_cache_usage"] == 0.0
+    assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == 0
+    assert not engine.has_unfinished_requests()
+    token = min(engine.vocab_size - 1, 100)
+    out = llm.generate([[token] * 40], SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert out.num_cached_tokens == 0  # the warm-up's prompt left no cached blocks
+    assert llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids == before
