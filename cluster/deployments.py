@@ -64,14 +64,9 @@ def make_engine(config: AppConfig) -> Any:
 @serve.deployment(name="LLMServer")
 class LLMServer:
     async def __init__(self, config: AppConfig) -> None:
-        from engine.async_engine import AsyncEngine
-
-        if AsyncEngine.uses_engine_process(config.engine_process, config.engine_args()):
-            # A replica runs its code on its main loop, which should keep answering Serve
-            # while the engine process loads the model: wait for it on a thread.
-            self.engine = await asyncio.to_thread(make_engine, config)
-        else:
-            self.engine = make_engine(config)
+        # A replica runs its code on its main loop, which should keep answering Serve
+        # (health checks, metrics) while the model loads: build the engine on a thread.
+        self.engine = await asyncio.to_thread(make_engine, config)
         self.serving = OpenAIServing(self.engine)
         sink = RayMetricsSink()
         self.engine.enable_metrics(sink)

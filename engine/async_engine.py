@@ -162,16 +162,11 @@ class AsyncEngine:
         """`engine_process`: run the engine in a process of its own; by default on one
         GPU (a tensor/pipeline-parallel group is driven from this process)."""
         engine_args.setdefault("usage_context", "server")
-        if cls.uses_engine_process(engine_process, engine_args):
+        if _one_gpu(engine_args) if engine_process is None else engine_process:
             return cls(engine_args={"model": model, **engine_args})
         from engine.llm_engine import LLMEngine
 
         return cls(LLMEngine.from_engine_args(model=model, **engine_args))
-
-    @staticmethod
-    def uses_engine_process(engine_process: bool | None, engine_args: dict) -> bool:
-        """Whether `from_engine_args` builds the engine in an engine process."""
-        return _one_gpu(engine_args) if engine_process is None else engine_process
 
     @property
     def in_process(self) -> bool:
