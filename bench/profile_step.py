@@ -41,13 +41,14 @@ def main(argv: list[str] | None = None) -> None:
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
     engine.scheduler.update_from_output = timed("update", engine.scheduler.update_from_output)
     runner.prepare_inputs = timed("prepare_inputs", runner.prepare_inputs)
-    runner.execute_model = timed("execute_model", runner.execute_model)
+    runner.execute_model_async = timed("execute_model_async", runner.execute_model_async)
     if runner.cuda_graphs:
         runner.cuda_graphs.run = timed("graph_run", runner.cuda_graphs.run)
     runner.model.compute_logits = timed("compute_logits", runner.model.compute_logits)
     import engine.model_runner as mr
 
-    mr.sample = timed("sample", mr.sample)
+    mr.sample_on_device = timed("sample_on_device", mr.sample_on_device)
+    mr.finish_sampling = timed("finish_sampling", mr.finish_sampling)
     mr.build_sampling_batch = timed("build_sampling_batch", mr.build_sampling_batch)
 
     for bs in args.batch_size:
