@@ -286,3 +286,9 @@ def test_warm_up_leaves_no_state_behind():
     out = llm.generate([[token] * 40], SamplingParams(temperature=0.0, max_tokens=2))[0]
     assert out.num_cached_tokens == 0  # the warm-up's prompt left no cached blocks
     assert llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids == before
+
+
+def test_warm_up_fits_a_short_max_model_len():
+    engine = LLM(max_model_len=20).engine
+    engine.warm_up()
+    assert not engine.has_unfinished_requests()
