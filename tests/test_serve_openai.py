@@ -249,7 +249,11 @@ def test_overload_gets_429_quickly_and_admitted_requests_finish(served):
     # (39 admitted against a bound of 24 seen here): the bound must hold within 2x, so at
     # least half of the burst is turned away.
     assert codes.count(200) <= 2 * capacity, codes
-    assert all(t < 2 for r, t in results if r.status_code == 429)
+    # Quickly: every 429 is back before the first admitted request finishes (a 2-core CI
+    # box under 96 connections answers them in 0.7-1.7 s, admitted ones take 5-14 s).
+    rejected = [t for r, t in results if r.status_code == 429]
+    admitted = [t for r, t in results if r.status_code == 200]
+    assert max(rejected) < min(admitted), (sorted(rejected), sorted(admitted))
     assert all(r.headers.get("retry-after") for r, _ in results if r.status_code == 429)
     for response, _ in results:
         if response.status_code == 200:
