@@ -50,6 +50,10 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     clean
 }
 
+qwen3_suite() {
+    stage offline-qwen3-0.6b 120 python -m bench.suite --model-shape qwen3-0.6b --record
+}
+
 for s in "$@"; do
     case $s in
     tests) stage tests 200 python -m pytest -m gpu -q tests/test_kernels.py \
@@ -61,11 +65,11 @@ for s in "$@"; do
             --model-shape llama3-8b ;;
     latency) stage latency-llama3-8b 120 python -m bench.suite --model-shape llama3-8b \
         --only latency --record ;;
-    qwen3) stage offline-qwen3-0.6b 120 python -m bench.suite --model-shape qwen3-0.6b --record ;;
+    qwen3) qwen3_suite ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
-        stage offline-qwen3-0.6b 120 python -m bench.suite --model-shape qwen3-0.6b --record ;;
+        qwen3_suite ;;
     serve)
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
         eval "$(python3 -c 'from cluster.topology import SERVE_FAST_PATH_ENV as e

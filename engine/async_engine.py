@@ -162,7 +162,9 @@ class AsyncEngine:
         """`engine_process`: run the engine in a process of its own; by default on one
         GPU (a tensor/pipeline-parallel group is driven from this process)."""
         engine_args.setdefault("usage_context", "server")
-        if _one_gpu(engine_args) if engine_process is None else engine_process:
+        if engine_process is None:
+            engine_process = _one_gpu(engine_args)
+        if engine_process:
             return cls(engine_args={"model": model, **engine_args})
         from engine.llm_engine import LLMEngine
 

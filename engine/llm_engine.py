@@ -92,12 +92,13 @@ class LLMEngine:
         """A few tiny requests through a prefill over a block table, decodes, greedy and
         random sampling: Triton compiles these kernels now, not during the first requests.
         They leave nothing behind: no cached blocks, no prefix-cache counts."""
-        token = min(self.vocab_size - 2, 100)
         room = self.config.scheduler_config.max_model_len - 4  # prompt + 4 new tokens fit
+        if room <= 0:
+            return
+        token = min(self.vocab_size - 2, 100)
         for i, (length, temperature) in enumerate(((40, 0.0), (17, 1.0))):
             params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
-            if room > 0:
-                self.add_request(f"kvray-warm-up-{i}", [token + i] * min(length, room), params)
+            self.add_request(f"kvray-warm-up-{i}", [token + i] * min(length, room), params)
         while self.has_unfinished_requests():
             self.step()
         kv = self.scheduler.kv_cache_manager

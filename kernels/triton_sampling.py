@@ -78,12 +78,12 @@ def gumbel_sample_triton(
     vocab_size = logits.shape[1] if vocab_size is None else vocab_size
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if num_rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
     temperature = temperature.reshape(num_rows).to(torch.float32)
     num_chunks = triton.cdiv(vocab_size, chunk)
     best_score = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_id = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
-    if num_rows == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(num_rows, num_chunks)](
         logits,
         temperature,
