@@ -12,6 +12,7 @@
 #          kernel table
 # latency: bench.suite batch-1 decode for llama3-8b
 # qwen3:   bench.suite for qwen3-0.6b (batch-1 decode, mixed lengths)
+# allreduce: all-reduce latency in CUDA graphs, NCCL against peer memory (two GPUs)
 #
 # Logs go to $OUT (or ./device-logs); benchmark lines are recorded to bench/results.jsonl
 # there too (copied to $OUT). Between stages every Ray and worker process is stopped: a
@@ -66,6 +67,10 @@ for s in "$@"; do
     latency) stage latency-llama3-8b 120 python -m bench.suite --model-shape llama3-8b \
         --only latency --record ;;
     qwen3) qwen3_suite ;;
+    allreduce)
+        stage allreduce-isolated 120 python -m bench.allreduce
+        stage allreduce-shared 120 python -m bench.allreduce --shared-devices
+        cat "$out"/allreduce-*.log ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record

@@ -7,12 +7,19 @@ rank, so single-device runs never touch torch.distributed.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+SYMMETRIC_ALL_REDUCE_MAX_BYTES = 2 << 20
+"""Largest all-reduce that takes the one-shot peer-memory path; larger ones go to NCCL."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,7 @@ class ParallelState:
 
 
 _state = ParallelState()
+_symmetric: SymmetricAllReduce | None = None
 
 
 def get_tp_rank() -> int:
@@ -119,7 +127,8 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    global _state
+    global _state, _symmetric
+    _symmetric = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = ParallelState()
@@ -146,8 +155,72 @@ def override_parallel_state(
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _state.tp_size == 1:
         return x
+    if _symmetric is not None and _symmetric.fits(x):
+        return _symmetric.all_reduce(x)
     dist.all_reduce(x, group=_tp_group())
     return x
+
+
+class SymmetricAllReduce:
+    """Sum over the tensor-parallel group by reading every peer's buffer directly (NVLink).
+
+    One kernel copies the local input into this rank's symmetric buffer, waits for the
+    peers at a barrier and adds all their buffers: a few microseconds for the small tensors
+    of a decode step, where an NCCL all-reduce takes several times that. CUDA-graph safe;
+    every rank must run the same sequence of all-reduces, as tensor-parallel ranks do.
+    """
+
+    DTYPES = (torch.bfloat16, torch.float32)
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = group.group_name
+        self.max_bytes = max_bytes
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return (
+            x.dtype in self.DTYPES
+            and x.is_contiguous()
+            and nbytes <= self.max_bytes
+            and nbytes % 16 == 0
+        )
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        staging = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        out = torch.empty_like(x)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+            staging, x, "sum", self.group_name, out
+        )
+
+
+def init_symmetric_all_reduce(
+    device: torch.device, max_bytes: int = SYMMETRIC_ALL_REDUCE_MAX_BYTES
+) -> bool:
+    """Set up the peer-memory all-reduce for this rank's tensor-parallel group.
+
+    Collective over the group: call on every rank after its CUDA device is set. Falls back
+    to NCCL (returns False) when the GPUs cannot map each other's memory.
+    """
+    global _symmetric
+    if _state.tp_size == 1 or device.type != "cuda" or os.environ.get("KVRAY_NCCL_ONLY") == "1":
+        return False
+    # Only the peer-load kernel is used; a multicast object is never needed.
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    try:
+        _symmetric = SymmetricAllReduce(_tp_group(), device, max_bytes)
+    except Exception as e:  # no NVLink/P2P, no symmetric-memory support in this torch
+        logger.warning("peer-memory all-reduce unavailable, using NCCL for all sizes: %s", e)
+        _symmetric = None
+    # Every rank must take the same path for every all-reduce.
+    ok = torch.tensor([_symmetric is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=_tp_group())
+    if not ok.item():
+        _symmetric = None
+    return _symmetric is not None
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

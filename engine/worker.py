@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed import init_symmetric_all_reduce
 from engine.loader import ModelSource
 from engine.model_runner import ModelRunner
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -24,6 +25,7 @@ class Worker:
         if config.device == "cuda":
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
+            init_symmetric_all_reduce(self.device)
         else:
             self.device = torch.device("cpu")
         self.runner = ModelRunner(config, hf_config, self.device)
