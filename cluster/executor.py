@@ -56,6 +56,7 @@ class RayWorker:
             "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
     def free_port(self) -> int:
@@ -70,8 +71,19 @@ class RayWorker:
         source: ModelSource,
         rank: int,
         init_method: str,
+        group_devices: str | None = None,
     ) -> None:
+        """`group_devices`: the CUDA_VISIBLE_DEVICES of this rank's whole tensor-parallel
+        group when it shares one node, so that the ranks can map each other's memory for
+        the peer-memory all-reduce; the rank's own GPU is the group's entry at its
+        tensor-parallel rank. None keeps the one GPU Ray gave the actor."""
         parallel = config.parallel_config
+        local_rank = 0
+        if group_devices is not None and not torch.cuda.is_initialized():
+            os.environ["CUDA_VISIBLE_DEVICES"] = group_devices
+            # A device count read before this line keeps CUDA on the actor's one GPU.
+            if torch.cuda.device_count() == len(group_devices.split(",")):
+                local_rank = rank % parallel.tensor_parallel_size
         backend = "nccl" if config.device == "cuda" else "gloo"
         init_distributed(
             parallel.tensor_parallel_size,
@@ -80,8 +92,7 @@ class RayWorker:
             backend=backend,
             init_method=init_method,
         )
-        # Ray gives each actor only its own GPU, so the local device is always 0.
-        self.worker = Worker(config, hf_config, source, rank=rank, local_rank=0)
+        self.worker = Worker(config, hf_config, source, rank=rank, local_rank=local_rank)
         self.worker.load_model()
 
     def determine_num_blocks(self) -> int:
@@ -175,9 +186,12 @@ class RayActorGroupExecutor(Executor):
         master_ip = self.node_infos[0]["ip"]
         port = self._get([self.workers[0].free_port.remote()], INIT_TIMEOUT_S)[0]
         init_method = f"tcp://{master_ip}:{port}"
+        group_devices = self._tensor_parallel_group_devices()
         self._get(
             [
-                w.init_worker.remote(self.config, self.hf_config, self.source, rank, init_method)
+                w.init_worker.remote(
+                    self.config, self.hf_config, self.source, rank, init_method, group_devices[rank]
+                )
                 for rank, w in enumerate(self.workers)
             ],
             INIT_TIMEOUT_S,
@@ -190,6 +204,20 @@ class RayActorGroupExecutor(Executor):
                     [w.execute_model.bind(scheduler_output) for w in self.workers]
                 )
             self._dag = dag.experimental_compile(_max_inflight_executions=self.pp_size + 1)
+
+    def _tensor_parallel_group_devices(self) -> list[str | None]:
+        """Per rank: its tensor-parallel group's GPUs in rank order when the whole group is
+        on one node with one GPU each, else None."""
+        out: list[str | None] = [None] * self.world_size
+        if self.config.device != "cuda" or self.tp_size == 1:
+            return out
+        for first in range(0, self.world_size, self.tp_size):
+            infos = self.node_infos[first : first + self.tp_size]
+            devices = [info["cuda_visible_devices"] for info in infos]
+            one_node = len({info["node_id"] for info in infos}) == 1
+            if one_node and all(d and "," not in d for d in devices):
+                out[first : first + self.tp_size] = [",".join(devices)] * self.tp_size
+        return out
 
     @property
     def node_ids(self) -> list[str]:

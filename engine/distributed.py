@@ -203,11 +203,14 @@ def init_symmetric_all_reduce(
     """Set up the peer-memory all-reduce for this rank's tensor-parallel group.
 
     Collective over the group: call on every rank after its CUDA device is set. Falls back
-    to NCCL (returns False) when the GPUs cannot map each other's memory.
+    to NCCL (returns False) when the GPUs cannot map each other's memory, when a rank sees
+    only its own GPU, or when KVRAY_NCCL_ONLY=1.
     """
     global _symmetric
     if _state.tp_size == 1 or device.type != "cuda" or os.environ.get("KVRAY_NCCL_ONLY") == "1":
         return False
+    if torch.cuda.device_count() < _state.tp_size:
+        return False  # each rank sees only its own GPU: peers' memory cannot be mapped
     # Only the peer-load kernel is used; a multicast object is never needed.
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     try:
@@ -220,6 +223,8 @@ def init_symmetric_all_reduce(
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=_tp_group())
     if not ok.item():
         _symmetric = None
+    elif _state.tp_rank == 0:
+        logger.info("tensor-parallel all-reduce: peer memory up to %d bytes, NCCL above", max_bytes)
     return _symmetric is not None
 
 

@@ -115,3 +115,32 @@ def test_ray_start_commands_carry_kvray_ports():
     assert "--head" not in worker
     with pytest.raises(ValueError, match="worker node needs"):
         ray_start_command(head=False)
+
+
+def _group_devices(device: str, tp: int, pp: int, infos: list[dict]) -> list[str | None]:
+    from types import SimpleNamespace
+
+    from cluster.executor import RayActorGroupExecutor
+
+    executor = RayActorGroupExecutor.__new__(RayActorGroupExecutor)
+    executor.config = SimpleNamespace(device=device)
+    executor.tp_size, executor.world_size, executor.node_infos = tp, tp * pp, infos
+    return executor._tensor_parallel_group_devices()
+
+
+def test_a_tensor_parallel_group_on_one_node_sees_its_own_gpus_only():
+    infos = [
+        {"node_id": "a", "cuda_visible_devices": "0"},
+        {"node_id": "a", "cuda_visible_devices": "3"},
+        {"node_id": "a", "cuda_visible_devices": "1"},
+        {"node_id": "b", "cuda_visible_devices": "0"},
+    ]
+    # TP=2 x PP=2: stage 0's group shares node a; stage 1's spans two nodes.
+    assert _group_devices("cuda", 2, 2, infos) == ["0,3", "0,3", None, None]
+    assert _group_devices("cuda", 1, 4, infos) == [None] * 4
+    assert _group_devices("cpu", 2, 2, infos) == [None] * 4
+    # A rank that already sees several GPUs, or none, keeps what Ray gave it.
+    infos[1]["cuda_visible_devices"] = "3,4"
+    assert _group_devices("cuda", 2, 2, infos)[:2] == [None, None]
+    infos[1]["cuda_visible_devices"] = None
+    assert _group_devices("cuda", 2, 2, infos)[:2] == [None, None]

@@ -3,8 +3,11 @@ greedy tokens. Run on the device: `pytest -m gpu tests/test_parallel_gpu.py`."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from engine import LLM, SamplingParams
 from tests.test_parallel import write_tiny_llama
@@ -42,3 +45,48 @@ def test_tp2_equals_tp1_in_float32(tiny):
     # float32: bf16 all-reduce sums in another order and may flip a near-tie.
     want = _tokens(tiny, dtype="float32")
     assert _tokens(tiny, dtype="float32", tensor_parallel_size=2) == want
+
+
+def _peer_all_reduce_rank(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from engine import distributed as kd
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    kd.init_distributed(2, 1, rank, backend="nccl", init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        assert kd.init_symmetric_all_reduce(device, max_bytes=1 << 20)
+        for dtype in (torch.bfloat16, torch.float32):
+            for numel in (8, 4096, 4096 * 7 + 8, (1 << 20) // dtype.itemsize):
+                torch.manual_seed(1000 * rank + numel)
+                x = torch.randn(numel, dtype=dtype, device=device)
+                want = x.clone()
+                dist.all_reduce(want, group=kd._tp_group())
+                assert kd._symmetric.fits(x)
+                got = kd.tensor_model_parallel_all_reduce(x.clone())
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # Captured in a CUDA graph and replayed on new data, as decode steps run.
+        x = torch.empty(4096, dtype=torch.bfloat16, device=device)
+        kd.tensor_model_parallel_all_reduce(x.clone())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = kd.tensor_model_parallel_all_reduce(x)
+        for step in range(3):
+            x.copy_(torch.full_like(x, rank + step))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, torch.full_like(x, 1 + 2 * step))
+        # Too large or float16: NCCL, same sums.
+        big = torch.ones((1 << 20) // 2 + 8, dtype=torch.bfloat16, device=device)
+        assert not kd._symmetric.fits(big)
+        assert torch.equal(kd.tensor_model_parallel_all_reduce(big), torch.full_like(big, 2))
+    finally:
+        kd.destroy_distributed()
+
+
+def test_peer_memory_all_reduce_equals_nccl():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_peer_all_reduce_rank, args=(port,), nprocs=2, start_method="spawn")
