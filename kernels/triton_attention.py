@@ -4,8 +4,10 @@ Two attention kernels, picked on the host from max_query_len:
 
 - decode (every request has one query token): flash-decoding. Each program owns one
   (request, kv head, context partition) and loads the query rows of all heads in that
-  kv head's group together, so every KV block is read once per group. A second small
-  kernel merges the partitions by their log-sum-exp.
+  kv head's group together, so every KV block is read once per group. The last partition
+  of a (request, kv head) to finish merges them all by their log-sum-exp (a counter per
+  pair says which one is last), so a decode is one launch; a context that fits one
+  partition writes its output directly.
 - general (prefill chunks, possibly mixed with decodes): each program owns a tile of
   query tokens x group heads of one request and kv head, and walks the request's blocks
   up to the tile's last causal position.
@@ -200,6 +202,7 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counter_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -260,66 +263,42 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
-    if SINGLE_SPLIT:
-        out = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    out = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    num_valid = 1
+    if not SINGLE_SPLIT:
+        num_valid = tl.minimum(tl.maximum(tl.cdiv(seq_len, part), 1), tl.num_programs(2))
+    if num_valid == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
-    else:
-        part = part_out_ptr + req * stride_pb + heads * stride_ph + split * stride_ps
-        tl.store(part[:, None] + d[None, :], acc, mask=q_mask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_lse_ptr + req * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
-
-
-@triton.jit(do_not_specialize=["partition_size", "num_splits", "stride_lb"])
-def _decode_merge_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    partition_size,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    if q_len == 0:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    part = _seq_partition(seq_len, num_splits, partition_size, BLOCK_N)
-    num_valid = tl.minimum(tl.maximum(tl.cdiv(seq_len, part), 1), num_splits)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_valid
-    lse_row = part_lse_ptr + req * stride_lb + head * stride_lh
-    lse = tl.load(lse_row + s, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)
-    parts = tl.load(
-        part_out_ptr + req * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-        mask=s_mask[:, None],
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + q_start * stride_ot + head * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD_DIM,
-    )
+
+    parts = part_out_ptr + req * stride_pb + heads[:, None] * stride_ph + d[None, :]
+    lses = part_lse_ptr + req * stride_lb + heads * stride_lh
+    tl.store(parts + split * stride_ps, acc, mask=q_mask)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    tl.store(lses + split, lse, mask=row_mask)
+    # Every thread's partial stores come before the counter's release; the program that
+    # takes the count to num_valid sees all partitions' stores (acquire) and merges.
+    tl.debug_barrier()
+    counter = counter_ptr + req * tl.num_programs(1) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != num_valid - 1:
+        return
+    tl.store(counter, 0)  # ready for the next launch (graph replays reuse the counters)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(0, num_valid):
+        # .cg: read the other SMs' partials from L2, never from a stale L1 line.
+        lse_s = tl.load(lses + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        part_s = tl.load(parts + s * stride_ps, mask=q_mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp2(m - m_safe)
+        w = tl.exp2(lse_s - m_safe)
+        merged = merged * scale[:, None] + part_s * w[:, None]
+        total = total * scale + w
+        m = m_new
+    merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -396,6 +375,22 @@ def _prefill_kernel(
     acc = acc / l_i[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(out_ptr + o_rows[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (request, kv head), kept per device: every decode
+    kernel leaves them zero again. Grown only outside a CUDA-graph capture (the model
+    runner's warm-up forward before each capture reaches the same size first)."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode merge counters must be sized before a graph capture")
+        counters = torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
 
 
 @functools.cache
@@ -487,7 +482,7 @@ def paged_attention_triton(
         single = num_splits == 1
         if single:
             # The kernel writes the final output directly; the partial buffers go unused.
-            part_out, part_lse = out, out
+            part_out, part_lse, counters = out, out, out
             part_strides = (0, 0, 0, 0, 0)
         else:
             part_out = torch.empty(
@@ -497,6 +492,7 @@ def paged_attention_triton(
                 (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
             )
             part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
+            counters = _merge_counters(query.device, num_seqs * num_kv_heads)
         _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             query,
             k_cache,
@@ -504,6 +500,7 @@ def paged_attention_triton(
             out,
             part_out,
             part_lse,
+            counters,
             query_start_loc,
             seq_lens,
             block_tables,
@@ -527,23 +524,6 @@ def paged_attention_triton(
             num_warps=num_warps,
             num_stages=DECODE_NUM_STAGES,
         )
-        if not single:
-            _decode_merge_kernel[(num_seqs, num_heads)](
-                out,
-                part_out,
-                part_lse,
-                query_start_loc,
-                seq_lens,
-                partition,
-                num_splits,
-                out.stride(0),
-                out.stride(1),
-                *part_strides,
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_S=triton.next_power_of_2(num_splits),
-                BLOCK_N=block_n,
-            )
         return out
 
     max_m, block_n, num_warps, num_stages = (

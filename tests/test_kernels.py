@@ -390,6 +390,20 @@ def test_triton_paged_decode_spreads_short_contexts_over_a_graph_sized_grid():
 
 
 @gpu_test
+def test_triton_paged_decode_merges_right_launch_after_launch():
+    # The last partition of each (request, kv head) merges, found by a counter that every
+    # launch must leave at zero for the next; back-to-back launches with other lengths.
+    from kernels.triton_attention import paged_attention_triton
+
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        ctx = torch.randint(0, 3000, (6,), generator=gen).tolist()
+        batch = make_paged_batch([1] * 6, ctx, 32, 8, 128, 16, HALF, "cuda", seed=seed)
+        out = paged_attention_triton(**{**batch, "max_seq_len": 4096}, num_splits=1 + seed % 16)
+        assert_matches(out, run_ref(batch))
+
+
+@gpu_test
 def test_triton_paged_decode_replays_in_cuda_graph_with_new_lengths():
     from kernels.triton_attention import paged_attention_triton
 
