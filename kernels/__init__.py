@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
@@ -85,6 +86,41 @@ def rotary_store_kv(positions, query, key, value, cos_sin_cache, kv_cache, slot_
     store_kv_ref(key, value, kv_cache, slot_mapping)
 
 
+def _gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and use_triton(x)
+    )
+
+
+def linear(x, weight, bias=None):
+    """F.linear; a one-row 16-bit input on a GPU takes the Triton GEMV."""
+    if _gemv_eligible(x, weight):
+        from kernels.triton_gemv import gemv_triton
+
+        return gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+    """(linear(rms_norm(h)), h) with h = x + residual, or h = x when residual is None.
+
+    A one-row 16-bit input on a GPU runs it as one GEMV with the norm in its prologue.
+    """
+    if _gemv_eligible(x, weight):
+        from kernels.triton_gemv import add_rms_norm_gemv_triton
+
+        return add_rms_norm_gemv_triton(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        h, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(h, weight, bias), residual
+
+
 def silu_and_mul(x):
     if use_triton(x):
         from kernels.triton_activation import silu_and_mul_triton
@@ -94,8 +130,10 @@ def silu_and_mul(x):
 
 
 __all__ = [
+    "add_rms_norm_linear",
     "apply_rotary",
     "fused_add_rms_norm",
+    "linear",
     "paged_attention",
     "rms_norm",
     "rotary_store_kv",

@@ -227,6 +227,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -272,10 +273,9 @@ def _decode_kernel(
         return
 
     parts = part_out_ptr + req * stride_pb + heads[:, None] * stride_ph + d[None, :]
-    lses = part_lse_ptr + req * stride_lb + heads * stride_lh
     tl.store(parts + split * stride_ps, acc, mask=q_mask)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    tl.store(lses + split, lse, mask=row_mask)
+    tl.store(part_lse_ptr + req * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
     # Every thread's partial stores come before the counter's release; the program that
     # takes the count to num_valid sees all partitions' stores (acquire) and merges.
     tl.debug_barrier()
@@ -283,22 +283,29 @@ def _decode_kernel(
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != num_valid - 1:
         return
     tl.store(counter, 0)  # ready for the next launch (graph replays reuse the counters)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s in range(0, num_valid):
-        # .cg: read the other SMs' partials from L2, never from a stale L1 line.
-        lse_s = tl.load(lses + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-        part_s = tl.load(parts + s * stride_ps, mask=q_mask, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale = tl.exp2(m - m_safe)
-        w = tl.exp2(lse_s - m_safe)
-        merged = merged * scale[:, None] + part_s * w[:, None]
-        total = total * scale + w
-        m = m_new
-    merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=q_mask)
+    # Each head's partitions in one load: a loop over partitions would wait on L2 per trip.
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_valid
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        lse_row = part_lse_ptr + req * stride_lb + head * stride_lh
+        # .cg: the other SMs' partials come from L2, never from a stale L1 line.
+        lse_s = tl.load(lse_row + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse_s, 0)
+        w = tl.exp2(lse_s - tl.where(m == float("-inf"), 0.0, m))
+        part_s = tl.load(
+            part_out_ptr + req * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+            mask=s_ok[:, None] & (d[None, :] < HEAD_DIM),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        total = tl.sum(w, 0)
+        merged = tl.sum(part_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(
+            out_ptr + q_start * stride_ot + head * stride_oh + d,
+            merged.to(out_ptr.dtype.element_ty),
+            mask=d < HEAD_DIM,
+        )
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -519,6 +526,7 @@ def paged_attention_triton(
             BLOCK_D=block_d,
             BLOCK_N=block_n,
             BLOCK_SIZE=block_size,
+            BLOCK_S=triton.next_power_of_2(num_splits),
             SINGLE_SPLIT=single,
             DOT_PRECISION=precision,
             num_warps=num_warps,

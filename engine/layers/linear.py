@@ -11,9 +11,9 @@ checkpoint tensor and copies this rank's part of it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine.distributed import (
     divide,
     get_tp_rank,
@@ -70,7 +70,7 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -91,8 +91,18 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = kernels.linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
+
+    def forward_after_norm(
+        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual) for an RMSNorm `norm` (no residual:
+        (self(norm(x)), x)); one kernel for a one-token step on a GPU."""
+        y, residual = kernels.add_rms_norm_linear(
+            x, residual, norm.weight, norm.eps, self.weight, self.bias
+        )
+        return (tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -167,5 +177,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank holds the whole bias; only rank 0 adds it, so the sum counts it once.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = kernels.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y) if self.reduce_results else y
