@@ -105,22 +105,6 @@ def linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
-def add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
-    """(linear(rms_norm(h)), h) with h = x + residual, or h = x when residual is None.
-
-    A one-row 16-bit input on a GPU runs it as one GEMV with the norm in its prologue.
-    """
-    if _gemv_eligible(x, weight):
-        from kernels.triton_gemv import add_rms_norm_gemv_triton
-
-        return add_rms_norm_gemv_triton(x, residual, norm_weight, eps, weight, bias)
-    if residual is None:
-        h, residual = rms_norm(x, norm_weight, eps), x
-    else:
-        h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(h, weight, bias), residual
-
-
 def silu_and_mul(x):
     if use_triton(x):
         from kernels.triton_activation import silu_and_mul_triton
@@ -130,7 +114,6 @@ def silu_and_mul(x):
 
 
 __all__ = [
-    "add_rms_norm_linear",
     "apply_rotary",
     "fused_add_rms_norm",
     "linear",

@@ -35,8 +35,11 @@ LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
-# Partitions shorter than this spend more on the merge than they win in parallelism.
-DECODE_MIN_PARTITION = 256
+# Partitions shorter than this spend more on the merge than they win in parallelism: a
+# batch-1 decode over 384 keys took 9 us as 6 partitions of 64 merged by the last one
+# (a chain of dependent loads, the counter, the merge), where one program pipelines them.
+DECODE_MIN_PARTITION = 512
+MIN_PARTITION = tl.constexpr(DECODE_MIN_PARTITION)
 DECODE_MAX_SPLITS = 64
 # Groups of <= 2 query heads per kv head (qwen3-0.6b's 16/8) do little work per key tile:
 # with a full wave and no split, wider tiles read the cache faster (H200, batch 96-165,
@@ -188,10 +191,11 @@ def _attend_tile(
 @triton.jit
 def _seq_partition(seq_len, num_splits, max_partition, BLOCK_N: tl.constexpr):
     """Keys per split for this request: its own context spread over all the splits, in whole
-    tiles. The grid is sized for the longest context (a CUDA graph's for max_model_len),
-    and a shorter one would otherwise leave all but its first split idle."""
+    tiles and at least DECODE_MIN_PARTITION keys. The grid is sized for the longest context
+    (a CUDA graph's for max_model_len), and a shorter one would otherwise leave all but its
+    first split idle."""
     part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    return tl.minimum(tl.maximum(part, BLOCK_N), max_partition)
+    return tl.minimum(tl.maximum(part, MIN_PARTITION), max_partition)
 
 
 @triton.jit(do_not_specialize=["partition_size", "stride_bt", "stride_lb"])

@@ -94,16 +94,6 @@ class ColumnParallelLinear(LinearBase):
         y = kernels.linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
-    def forward_after_norm(
-        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual) for an RMSNorm `norm` (no residual:
-        (self(norm(x)), x)); one kernel for a one-token step on a GPU."""
-        y, residual = kernels.add_rms_norm_linear(
-            x, residual, norm.weight, norm.eps, self.weight, self.bias
-        )
-        return (tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y), residual
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate_up_proj); shard_id indexes output_sizes."""

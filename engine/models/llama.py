@@ -79,11 +79,8 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden_states))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Everything after qkv_proj: the decoder layer fuses its norm into that projection."""
-        num_tokens = qkv.shape[0]
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, -1, self.head_dim)
         k = k.reshape(num_tokens, -1, self.head_dim)
@@ -106,15 +103,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.qkv_proj.forward_after_norm(
-            self.input_layernorm, hidden_states, residual
-        )
-        hidden_states = attn.attend(positions, qkv)
-        gate_up, residual = mlp.gate_up_proj.forward_after_norm(
-            self.post_attention_layernorm, hidden_states, residual
-        )
-        return mlp.down_proj(mlp.act_fn(gate_up)), residual
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
