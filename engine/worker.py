@@ -32,16 +32,27 @@ class Worker:
         self.source = source
 
     def load_model(self) -> None:
+        self._use_device()
         self.runner.load_model(self.source)
 
     def determine_num_blocks(self) -> int:
+        self._use_device()
         return self.runner.determine_num_blocks()
 
     def initialize_cache(self, num_blocks: int) -> None:
+        self._use_device()
         self.runner.init_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._use_device()
         return self.runner.execute_model(scheduler_output)
+
+    def _use_device(self) -> None:
+        # The current CUDA device is per thread, and a caller may reach this rank from
+        # another thread than the one that built it (a Ray compiled graph's loop does);
+        # with several GPUs visible, kernels would launch on the wrong one.
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (tied weights counted once)."""
