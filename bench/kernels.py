@@ -326,15 +326,49 @@ def bench_elementwise(copy_gbps: float) -> None:
     )
 
 
+# (name, N, K) of llama3-8b's batch-1 linear layers, whole and halved for TP=2.
+GEMV_SHAPES = [
+    ("qkv_proj", 6144, 4096),
+    ("o_proj", 4096, 4096),
+    ("gate_up_proj", 28672, 4096),
+    ("down_proj", 4096, 14336),
+    ("TP=2 qkv_proj", 3072, 4096),
+    ("TP=2 o_proj", 4096, 2048),
+    ("TP=2 gate_up_proj", 14336, 4096),
+    ("TP=2 down_proj", 4096, 7168),
+]
+GEMV_LAYERS = 32
+
+
+def bench_gemv(copy_gbps: float) -> None:
+    """One-row linear layers as the model runs them: a graph over 32 distinct copies of the
+    weight (no layer finds its weight in L2), the Triton GEMV against cuBLAS."""
+    from kernels.triton_gemv import gemv_triton
+
+    for name, n, k in GEMV_SHAPES:
+        weights = [
+            torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
+            for _ in range(GEMV_LAYERS)
+        ]
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        err = rel_err(gemv_triton(x, weights[0]), F.linear(x.float(), weights[0].float()))
+        nbytes = GEMV_LAYERS * n * k * 2
+        for label, fn in (("Triton GEMV", gemv_triton), ("cuBLAS (F.linear)", F.linear)):
+            ms = graph_ms(lambda fn=fn, x=x, ws=weights: [fn(x, w) for w in ws]) / GEMV_LAYERS
+            gbps = nbytes / GEMV_LAYERS / ms / 1e6
+            extra = {"rel_err": err} if fn is gemv_triton else {}
+            record(f"gemv {name} {n}x{k}: {label}", ms, pct_copy=100 * gbps / copy_gbps, **extra)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time tile configurations")
     parser.add_argument(
-        "--only", nargs="*", help="sections: decode prefill elementwise (default all)"
+        "--only", nargs="*", help="sections: decode prefill elementwise gemv (default all)"
     )
     args = parser.parse_args()
-    sections = set(args.only or ["decode", "prefill", "elementwise"])
+    sections = set(args.only or ["decode", "prefill", "elementwise", "gemv"])
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
@@ -345,6 +379,8 @@ def main() -> None:
         bench_prefill(args.sweep)
     if "elementwise" in sections:
         bench_elementwise(copy_gbps)
+    if "gemv" in sections:
+        bench_gemv(copy_gbps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": props.name, "results": RESULTS}, f, indent=1, default=str)
