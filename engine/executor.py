@@ -98,7 +98,7 @@ class UniProcExecutor(Executor):
         return self.worker.weight_bytes()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        return self.worker.runner.execute_model_async(scheduler_output)
+        return self.worker.execute_model_async(scheduler_output)
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:

@@ -7,8 +7,9 @@ import torch
 from engine.config import EngineConfig
 from engine.distributed import init_symmetric_all_reduce
 from engine.loader import ModelSource
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PendingRunnerOutput
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.step_profiler import StepProfiler
 
 
 class Worker:
@@ -30,6 +31,7 @@ class Worker:
             self.device = torch.device("cpu")
         self.runner = ModelRunner(config, hf_config, self.device)
         self.source = source
+        self.profiler = StepProfiler.from_env(rank)
 
     def load_model(self) -> None:
         self._use_device()
@@ -44,8 +46,18 @@ class Worker:
         self.runner.init_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
+        """Launch the step; result() waits for its output."""
         self._use_device()
-        return self.runner.execute_model(scheduler_output)
+        if self.profiler is None:
+            return self.runner.execute_model_async(scheduler_output)
+        self.profiler.before_step()
+        try:
+            return self.runner.execute_model_async(scheduler_output)
+        finally:
+            self.profiler.after_step()
 
     def _use_device(self) -> None:
         # The current CUDA device is per thread, and a caller may reach this rank from
