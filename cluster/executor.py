@@ -38,6 +38,16 @@ HEALTH_TIMEOUT_S = 10.0
 INIT_TIMEOUT_S = 600.0
 
 
+FORWARDED_ENV = ("KVRAY_PROFILE_STEPS", "KVRAY_NCCL_ONLY", "KVRAY_TORCH_KERNELS")
+"""kvray's switches that reach the workers from the process that starts them, also on a
+cluster whose raylets were started without them."""
+
+
+def worker_runtime_env() -> dict[str, Any] | None:
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    return {"env_vars": env} if env else None
+
+
 class WorkerDiedError(RuntimeError):
     """A rank of the actor group is gone; the group cannot run another step."""
 
@@ -175,6 +185,7 @@ class RayActorGroupExecutor(Executor):
             worker = RayWorker.options(
                 num_cpus=0,
                 num_gpus=1 if cuda else 0,
+                runtime_env=worker_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement.placement_group, placement_group_bundle_index=rank
                 ),

@@ -144,3 +144,17 @@ def test_a_tensor_parallel_group_on_one_node_sees_its_own_gpus_only():
     assert _group_devices("cuda", 2, 2, infos)[:2] == [None, None]
     infos[1]["cuda_visible_devices"] = None
     assert _group_devices("cuda", 2, 2, infos)[:2] == [None, None]
+
+
+def test_kvray_switches_reach_the_workers_of_a_group(monkeypatch):
+    from cluster.executor import worker_runtime_env
+
+    for name in ("KVRAY_PROFILE_STEPS", "KVRAY_NCCL_ONLY", "KVRAY_TORCH_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    assert worker_runtime_env() is None
+    monkeypatch.setenv("KVRAY_NCCL_ONLY", "1")
+    monkeypatch.setenv("KVRAY_PROFILE_STEPS", "10:20:/tmp/p")
+    monkeypatch.setenv("UNRELATED", "x")
+    assert worker_runtime_env() == {
+        "env_vars": {"KVRAY_NCCL_ONLY": "1", "KVRAY_PROFILE_STEPS": "10:20:/tmp/p"}
+    }
