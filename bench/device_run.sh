@@ -13,6 +13,7 @@
 # latency: bench.suite batch-1 decode for llama3-8b
 # qwen3:   bench.suite for qwen3-0.6b (batch-1 decode, mixed lengths)
 # allreduce: all-reduce latency in CUDA graphs, NCCL against peer memory (two GPUs)
+# tpprofile: TP=2 llama3-8b batch-1 decode, both ranks' kernel tables (steps 100..109)
 #
 # Logs go to $OUT (or ./device-logs); benchmark lines are recorded to bench/results.jsonl
 # there too (copied to $OUT). Between stages every Ray and worker process is stopped: a
@@ -85,6 +86,12 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
             --load-format dummy --ready-timeout-s 180 --record
         unset RAY_ADDRESS
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;
+    tpprofile)
+        export KVRAY_PROFILE_STEPS=100:110:$out/tp-profile
+        stage tpprofile 240 python -m bench.suite --model-shape llama3-8b \
+            --tensor-parallel-size 2 --only latency
+        unset KVRAY_PROFILE_STEPS
+        head -30 "$out"/tp-profile/rank*.txt ;;
     tp) stage tp2-llama3-8b 240 python -m bench.suite --model-shape llama3-8b \
         --tensor-parallel-size 2 --only latency throughput --record ;;
     *) echo "unknown stage $s" ;;
