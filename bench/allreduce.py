@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from cluster.topology import free_port
 
 SIZES = [8 << 10, 64 << 10, 512 << 10, 1 << 20, 2 << 20, 8 << 20, 64 << 20]
 CHAIN = 32
@@ -95,9 +96,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--shared-devices", action="store_true")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     mp.start_processes(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from concurrent.futures import Future
 from typing import Any
 
@@ -25,6 +24,7 @@ from ray.exceptions import RayActorError, RayChannelError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.placement import RankPlacement, place_ranks
+from cluster.topology import free_port
 from engine.config import EngineConfig
 from engine.distributed import check_parallel_sizes, destroy_distributed, init_distributed
 from engine.executor import Executor
@@ -70,9 +70,7 @@ class RayWorker:
         }
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port()
 
     def init_worker(
         self,

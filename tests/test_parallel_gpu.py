@@ -3,12 +3,11 @@ greedy tokens. Run on the device: `pytest -m gpu tests/test_parallel_gpu.py`."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from cluster.topology import free_port
 from engine import LLM, SamplingParams
 from tests.test_parallel import write_tiny_llama
 
@@ -86,7 +85,4 @@ def _peer_all_reduce_rank(rank: int, port: int) -> None:
 
 
 def test_peer_memory_all_reduce_equals_nccl():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_peer_all_reduce_rank, args=(port,), nprocs=2, start_method="spawn")
+    mp.start_processes(_peer_all_reduce_rank, args=(free_port(),), nprocs=2, start_method="spawn")
