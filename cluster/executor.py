@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.distributed import check_parallel_sizes, destroy_distributed, init_distributed
 from engine.executor import Executor
 from engine.loader import ModelSource
+from engine.model_runner import PendingRunnerOutput
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker import Worker
 
@@ -60,6 +61,7 @@ class RayWorker:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         torch.set_num_threads(num_threads)
         self.worker: Worker | None = None
+        self._in_flight: PendingRunnerOutput | _FailedLaunch | None = None
 
     def node_info(self) -> dict[str, Any]:
         return {
@@ -109,8 +111,21 @@ class RayWorker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        output = self.worker.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput | None) -> ModelRunnerOutput | None:
+        """Launch this step, then answer with the output of the step launched by the call
+        before (None for none). The next step is on the device before this rank waits for
+        the last one, so the device does not idle while the host prepares a step.
+        `scheduler_output` None launches nothing: it only collects the last step."""
+        previous, self._in_flight = self._in_flight, None
+        if scheduler_output is not None:
+            try:
+                self._in_flight = self.worker.execute_model_async(scheduler_output)
+            except Exception as e:
+                # Raised with the call that collects this step, not the one before.
+                self._in_flight = _FailedLaunch(e)
+        if previous is None:
+            return None
+        output = previous.result()
         return output if self.worker.runner.is_driver else None
 
     def weight_bytes(self) -> int:
@@ -124,18 +139,29 @@ class RayWorker:
         destroy_distributed()
 
 
-class _PendingStep(Future):
-    """A step in flight; result() collects it (blocking) from the sampling rank."""
+class _FailedLaunch:
+    def __init__(self, error: Exception):
+        self.error = error
 
-    def __init__(self, executor: RayActorGroupExecutor, refs: list[Any]):
+    def result(self) -> ModelRunnerOutput:
+        raise self.error
+
+
+class _PendingStep(Future):
+    """A step in flight. Its output comes with the workers' answer to the next call
+    (`refs`), so result() sends an empty call first when no step followed it."""
+
+    def __init__(self, executor: RayActorGroupExecutor):
         super().__init__()
         self._executor = executor
-        self._refs = refs
+        self.refs: list[Any] | None = None
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
         if not self.done():
             try:
-                self.set_result(self._executor._collect(self._refs))
+                if self.refs is None:
+                    self._executor._call_workers(None)
+                self.set_result(self._executor._collect(self.refs))
             except Exception as e:
                 self.set_exception(e)
         return super().result(timeout)
@@ -165,6 +191,8 @@ class RayActorGroupExecutor(Executor):
         self.placement: RankPlacement | None = None
         self._dag = None
         self._dead: WorkerDiedError | None = None
+        self._unanswered: _PendingStep | None = None
+        self._unread: list[list[Any]] = []
         if not ray.is_initialized():
             ray.init()
         try:
@@ -212,7 +240,7 @@ class RayActorGroupExecutor(Executor):
                 dag = MultiOutputNode(
                     [w.execute_model.bind(scheduler_output) for w in self.workers]
                 )
-            self._dag = dag.experimental_compile(_max_inflight_executions=self.pp_size + 1)
+            self._dag = dag.experimental_compile(_max_inflight_executions=self.pp_size + 3)
 
     def _tensor_parallel_group_devices(self) -> list[str | None]:
         """Per rank: its tensor-parallel group's GPUs in rank order when the whole group is
@@ -292,6 +320,13 @@ class RayActorGroupExecutor(Executor):
         return self._submit(scheduler_output)
 
     def _submit(self, scheduler_output: SchedulerOutput) -> _PendingStep:
+        self._call_workers(scheduler_output)
+        self._unanswered = _PendingStep(self)
+        return self._unanswered
+
+    def _call_workers(self, scheduler_output: SchedulerOutput | None) -> None:
+        """One call to every rank: it launches `scheduler_output` (None: nothing) and
+        answers with the step launched by the call before."""
         if self._dead is not None:
             raise self._dead
         if self._dag is not None:
@@ -301,15 +336,26 @@ class RayActorGroupExecutor(Executor):
                 self._dead = WorkerDiedError(f"a worker of the actor group died: {e}")
                 raise self._dead from e
         else:
-            ref = ray.put(scheduler_output)
-            refs = [w.execute_model.remote(ref) for w in self.workers]
-        return _PendingStep(self, refs)
+            arg = None if scheduler_output is None else ray.put(scheduler_output)
+            refs = [w.execute_model.remote(arg) for w in self.workers]
+        if self._unanswered is not None:
+            self._unanswered.refs = refs
+            self._unanswered = None
+        else:
+            # Answers no step; read before any later answer (a compiled graph holds every
+            # unread result).
+            self._unread.append(refs)
 
     def _collect(self, refs: list[Any]) -> ModelRunnerOutput:
+        while self._unread:
+            self._get_answers(self._unread.pop(0))
+        return self._get_answers(refs)[self.driver_rank]
+
+    def _get_answers(self, refs: list[Any]) -> list[Any]:
         if self._dag is None:
-            return self._get(refs)[self.driver_rank]
+            return self._get(refs)
         try:
-            return ray.get(refs)[self.driver_rank]
+            return ray.get(refs)
         except (RayActorError, RayChannelError) as e:
             self._dead = WorkerDiedError(f"a worker of the actor group died: {e}")
             raise self._dead from e
