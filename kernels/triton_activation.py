@@ -6,9 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import use_pdl, wait_for_previous_kernel
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -29,7 +34,15 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out_rows = out.view(-1, inter)
     block = min(1024, triton.next_power_of_2(max(inter, 1)))
     if rows.shape[0] > 0 and inter > 0:
+        pdl = use_pdl(x)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-            rows, out_rows, rows.stride(0), out_rows.stride(0), inter, BLOCK=block
+            rows,
+            out_rows,
+            rows.stride(0),
+            out_rows.stride(0),
+            inter,
+            BLOCK=block,
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
     return out

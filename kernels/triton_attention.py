@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import use_pdl, wait_for_previous_kernel
+
 LOG2E = 1.4426950408889634
 
 # Integer arguments that change from step to step (block-table width, partition size) are
@@ -83,7 +85,9 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -112,6 +116,7 @@ def store_kv_triton(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = use_pdl(key)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -130,6 +135,8 @@ def store_kv_triton(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2],
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
 
 
@@ -234,7 +241,9 @@ def _decode_kernel(
     BLOCK_S: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -338,7 +347,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     # Row r of the tile is query token q_tile * BLOCK_Q + r // GROUP of head r % GROUP in
     # this kv head's group, so one K/V tile load serves every head of the group.
     req = tl.program_id(0)
@@ -475,6 +486,7 @@ def paged_attention_triton(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     qk_scale = scale * LOG2E
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    pdl = use_pdl(query)
 
     if max_query_len == 1:
         if num_splits is None:
@@ -533,8 +545,10 @@ def paged_attention_triton(
             BLOCK_S=triton.next_power_of_2(num_splits),
             SINGLE_SPLIT=single,
             DOT_PRECISION=precision,
+            USE_PDL=pdl,
             num_warps=num_warps,
             num_stages=DECODE_NUM_STAGES,
+            launch_pdl=pdl,
         )
         return out
 
@@ -569,8 +583,10 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         DOT_PRECISION=precision,
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     return out
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import use_pdl, wait_for_previous_kernel
+
 BLOCK_N = 2
 BLOCK_K = 1024
 NUM_WARPS = 4
@@ -35,13 +37,22 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # The first weight tile is read while the kernel before may still run (kernels.pdl);
+    # x is that kernel's output, so it waits.
+    col_ok = cols < K
+    w = tl.load(
+        w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy="evict_first"
+    )
+    wait_for_previous_kernel(USE_PDL)
+    x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
         col_ok = k + cols < K
         x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0).to(tl.float32)
         w = tl.load(
@@ -68,6 +79,7 @@ def gemv_triton(
     n, k = weight.shape
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x)
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
         x.contiguous(),
         weight,
@@ -79,6 +91,8 @@ def gemv_triton(
         HAS_BIAS=bias is not None,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
+        USE_PDL=pdl,
         num_warps=NUM_WARPS,
+        launch_pdl=pdl,
     )
     return y

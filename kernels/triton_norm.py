@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import use_pdl, wait_for_previous_kernel
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -26,7 +28,9 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -65,6 +69,7 @@ def _launch(x, residual, weight, eps):
         r2, ro2, residual_out = x2, out2, None
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(hidden)
+        pdl = use_pdl(x)
         _rms_norm_kernel[(x2.shape[0],)](
             x2,
             r2,
@@ -79,7 +84,9 @@ def _launch(x, residual, weight, eps):
             eps,
             BLOCK=block,
             ADD_RESIDUAL=residual is not None,
+            USE_PDL=pdl,
             num_warps=min(16, max(1, block // 512)),
+            launch_pdl=pdl,
         )
     return out, residual_out
 
