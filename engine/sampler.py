@@ -172,6 +172,10 @@ def sample_on_device(
             logits, batch.temperature, batch.greedy, seed, batch.vocab_size
         )
         return sampled, None
+    if _greedy_pass_eligible(logits, batch):
+        from kernels.triton_sampling import argmax_triton
+
+        return argmax_triton(logits, batch.vocab_size), None
     # A private float32 copy: everything below works in place, the caller's logits stay intact.
     logits = logits[:, : batch.vocab_size].to(torch.float32, copy=True)
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
@@ -201,6 +205,17 @@ def sample_on_device(
             sampled = torch.where(batch.greedy, greedy_ids, sampled)
 
     return sampled, raw_logprobs
+
+
+def _greedy_pass_eligible(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """Greedy rows only, with nothing to change in the logits first: a Triton argmax."""
+    return (
+        batch.all_greedy
+        and use_triton(logits)
+        and batch.max_num_logprobs is None
+        and batch.min_tokens_mask is None
+        and batch.output_token_counts is None
+    )
 
 
 def _one_pass_eligible(logits: torch.Tensor, batch: SamplingBatch) -> bool:

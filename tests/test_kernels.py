@@ -609,6 +609,20 @@ def test_triton_gumbel_sample_greedy_rows_take_the_first_argmax():
     assert all(0 <= i < vocab for i in ids.tolist())
 
 
+@triton_test
+def test_triton_argmax_equals_torch_argmax_with_ties_and_vocab_padding():
+    from kernels.triton_sampling import argmax_triton
+
+    vocab = 128256 if HAS_CUDA else 2500
+    logits = torch.randn(5, vocab + 64).to(HALF if HAS_CUDA else torch.float32)
+    logits[:, vocab:] = 1e4  # padding past the vocabulary never wins
+    logits[1, [9000 % vocab, 2 * vocab // 3]] = 60.0  # a tie across chunks: the lower id
+    logits[2, vocab - 1] = 60.0
+    ids = argmax_triton(logits.to(DEVICE), vocab).cpu()
+    assert ids.dtype == torch.int64
+    assert ids.tolist() == logits[:, :vocab].float().argmax(dim=1).tolist()
+
+
 # The interpreter runs one program at a time: llama3-8b's qkv_proj and a long K on GPUs only.
 GEMV_SHAPES = [(576, 576), (101, 1000)] + (
     [(6144, 4096), (1536, 8960)] if HAS_CUDA else [(47, 2100)]
