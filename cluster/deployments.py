@@ -1,5 +1,8 @@
 """Ray Serve deployments: `OpenAIIngress` (HTTP) -> `LLMServer` (one engine per replica).
 
+With `colocate_ingress` the ingress holds the engine itself (one deployment, no Ray call
+between HTTP and the engine); it talks to it through the same interface as to a handle.
+
 The ingress owns everything about HTTP: body size, API keys, tenants and their limits,
 request validation, turning the server's replies into responses. The server owns the
 engine: tokenization and chat templates run next to it (they need its tokenizer and
@@ -14,6 +17,7 @@ ends with its `UsageInfo` (for per-tenant token accounting, never sent to the cl
 # class Serve rebuilds, and string annotations do not resolve there.
 import asyncio
 import contextvars
+import inspect
 import logging
 import time
 from typing import Any
@@ -61,9 +65,10 @@ def make_engine(config: AppConfig) -> Any:
     )
 
 
-@serve.deployment(name="LLMServer")
-class LLMServer:
-    async def __init__(self, config: AppConfig) -> None:
+class EngineHost:
+    """A replica's engine and its OpenAI serving layer (LLMServer's methods)."""
+
+    async def start(self, config: AppConfig) -> None:
         # A replica runs its code on its main loop, which should keep answering Serve
         # (health checks, metrics) while the model loads: build the engine on a thread.
         self.engine = await asyncio.to_thread(make_engine, config)
@@ -87,6 +92,14 @@ class LLMServer:
             return
         async for text in result.events:
             yield text
+        events = result.events
+        try:
+            async for text in events:
+                yield text
+        finally:
+            # A caller in the same process closes this generator at its `yield`, where
+            # no cancellation reaches `events`: close it, so the engine request ends now.
+            await events.aclose()
         yield result.usage
 
     def models(self) -> dict:
@@ -102,10 +115,71 @@ class LLMServer:
         self.readiness.set(self.engine.is_healthy)
         self.engine.check_health()
 
-    def __del__(self) -> None:
+    def shutdown(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=5)
+
+
+@serve.deployment(name="LLMServer")
+class LLMServer(EngineHost):
+    async def __init__(self, config: AppConfig) -> None:
+        await self.start(config)
+
+    def __del__(self) -> None:
+        self.shutdown()
+
+
+class _LocalReplies:
+    """An async generator of the local EngineHost, with a handle response's cancel()."""
+
+    def __init__(self, replies: Any):
+        self._replies = replies
+        self._closing: asyncio.Task | None = None
+
+    def __aiter__(self) -> "_LocalReplies":
+        return self
+
+    def __anext__(self) -> Any:
+        return self._replies.__anext__()
+
+    def cancel(self) -> None:
+        closing = asyncio.get_running_loop().create_task(self._replies.aclose())
+        # A generator that already ended or is still running in its caller's task: nothing
+        # to close here (the caller's cancellation or exit closes it).
+        closing.add_done_callback(lambda task: task.cancelled() or task.exception())
+        self._closing = closing
+
+
+class _LocalMethod:
+    def __init__(self, method: Any):
+        self._method = method
+
+    def remote(self, *args: Any) -> Any:
+        result = self._method(*args)
+        if inspect.isasyncgen(result):
+            return _LocalReplies(result)
+        if inspect.isawaitable(result):
+            return result
+        return _ready(result)
+
+
+async def _ready(value: Any) -> Any:
+    return value
+
+
+class LocalServer:
+    """An EngineHost in this process behind the part of LLMServer's handle the ingress
+    uses: `.options(...)`, `.method.remote(...)`, awaitable or async-iterable replies."""
+
+    def __init__(self, host: EngineHost):
+        self.host = host
+
+    def options(self, **_: Any) -> "LocalServer":
+        return self
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        return _LocalMethod(getattr(self.host, name))
 
 
 @serve.deployment(name="TenantLimiter", num_replicas=1, max_ongoing_requests=100_000)
@@ -173,12 +247,18 @@ class _ClosingStreamingResponse(StreamingResponse):
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(
+    async def __init__(
         self,
-        server: DeploymentHandle,
+        server: DeploymentHandle | None,
         config: AppConfig,
         limiter: DeploymentHandle | None = None,
     ) -> None:
+        """`server` None: this replica holds the engine itself (colocate_ingress)."""
+        self.host: EngineHost | None = None
+        if server is None:
+            self.host = EngineHost()
+            await self.host.start(config)
+            server = LocalServer(self.host)
         self.server = server
         # .options() starts the handle's router now, so it knows the replicas before the
         # first burst arrives (a cold router queues everything and trips max_queued_requests).
@@ -188,6 +268,18 @@ class OpenAIIngress:
         self.resolver = TenantResolver(config.api_keys, config.tenants)
         self._models: dict | None = None
         self.tenant_metrics = TenantMetrics(RayMetricsSink())
+
+    async def stats(self) -> dict:
+        """The engine's counters (tests and tools; not an HTTP route)."""
+        return await self.server.stats.remote()
+
+    def check_health(self) -> None:
+        if self.host is not None:
+            self.host.check_health()
+
+    def __del__(self) -> None:
+        if getattr(self, "host", None) is not None:
+            self.host.shutdown()
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -345,15 +437,18 @@ class OpenAIIngress:
 
 
 def build_openai_app(config: AppConfig) -> Any:
-    """The Serve application: ingress -> LLMServer (+ TenantLimiter when tenants have limits)."""
+    """The Serve application: ingress -> LLMServer (+ TenantLimiter when tenants have limits);
+    with colocate_ingress the ingress replicas take LLMServer's options and hold the engine."""
     config = config.with_resolved_device()
-    server = LLMServer.options(**llm_server_options(config)).bind(config)
     limiter = None
     if config.has_tenant_limits:
         ttl = None if config.request_timeout_s is None else config.request_timeout_s + 60
         limiter = TenantLimiterDeployment.options(
             ray_actor_options={"num_cpus": 0, "runtime_env": _replica_env()}
         ).bind(config.tenants, ttl)
+    if config.colocate_ingress:
+        return OpenAIIngress.options(**llm_server_options(config)).bind(None, config, limiter)
+    server = LLMServer.options(**llm_server_options(config)).bind(config)
     ingress = OpenAIIngress.options(
         autoscaling_config={
             "min_replicas": config.ingress_min_replicas,

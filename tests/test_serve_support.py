@@ -52,17 +52,20 @@ def delete_app(name: str) -> None:
     serve.delete(name)
 
 
-def server_stats(app_name: str) -> dict:
+def server_stats(app_name: str, deployment: str = "LLMServer") -> dict:
+    """The engine's counters, from the deployment that holds the engine."""
     from ray import serve
 
-    return serve.get_deployment_handle("LLMServer", app_name).stats.remote().result()
+    return serve.get_deployment_handle(deployment, app_name).stats.remote().result()
 
 
-def wait_until_idle(app_name: str, timeout_s: float) -> tuple[float, dict]:
+def wait_until_idle(
+    app_name: str, timeout_s: float, deployment: str = "LLMServer"
+) -> tuple[float, dict]:
     """Poll the engine until nothing runs and no KV block is used; (seconds taken, stats)."""
     start = time.monotonic()
     while True:
-        stats = server_stats(app_name)
+        stats = server_stats(app_name, deployment)
         idle = stats["num_running"] + stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
         elapsed = time.monotonic() - start
         if idle or elapsed > timeout_s:

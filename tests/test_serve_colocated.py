@@ -1,0 +1,86 @@
+"""`colocate_ingress`: the HTTP ingress replicas hold the engine themselves (one
+deployment, no Ray call between HTTP and the engine), with the same behaviour."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.test_serve_support import delete_app, run_app, server_stats, wait_until_idle
+
+APP = "colocated"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+INGRESS = "OpenAIIngress"
+ARGS = {
+    "max_model_len": MAX_MODEL_LEN,
+    "max_num_seqs": 8,
+    "num_cpus": 0.25,
+    "engine_process": True,
+    "colocate_ingress": True,
+    "api_keys": {"key-a": "a"},
+    "tenants": {"a": {"max_concurrent_requests": 4}},
+}
+PROMPT = "The capital of France is"
+HEADERS = {"Authorization": "Bearer key-a"}
+
+
+@pytest.fixture(scope="module")
+def served():
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        offline = pool.submit(LLM, max_model_len=MAX_MODEL_LEN)
+        url = run_app(APP, ARGS)
+        llm = offline.result()
+    yield url, llm
+    delete_app(APP)
+
+
+def test_one_deployment_holds_the_engine_and_serves_the_offline_answers(served):
+    from ray import serve
+
+    url, llm = served
+    deployments = serve.status().applications[APP].deployments
+    assert INGRESS in deployments and "LLMServer" not in deployments
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    full = httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=60).json()
+    expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0]
+    assert full["choices"][0]["text"] == expected.outputs[0].text
+    streamed = []
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=HEADERS
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed.append(line)
+    text = "".join(json.loads(s[len("data: ") :])["choices"][0]["text"] for s in streamed)
+    assert text == full["choices"][0]["text"]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    # Errors keep OpenAI's shape; auth and tenants still apply.
+    bad = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": -1}, headers=HEADERS)
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+
+
+def test_client_disconnect_mid_stream_frees_kv(served):
+    url, _ = served
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=HEADERS) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert server_stats(APP, INGRESS)["num_running"] == 1
+    elapsed, stats = wait_until_idle(APP, timeout_s=2, deployment=INGRESS)
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
+
+
+def test_client_disconnect_while_waiting_for_a_full_response_frees_kv(served):
+    url, _ = served
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=1.5)
+    elapsed, stats = wait_until_idle(APP, timeout_s=2, deployment=INGRESS)
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
