@@ -85,7 +85,8 @@ for s in "$@"; do
         extra=()
         [ "$s" = serve-colocated ] && extra=(--serve-arg colocate_ingress=true)
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
-        eval "$(python3 -c 'from cluster.topology import SERVE_FAST_PATH_ENV as e
+        eval "$(python3 -c 'from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV
+e = {**SERVE_FAST_PATH_ENV, **DIRECT_INGRESS_ENV}
 print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         ray start --head --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
         export RAY_ADDRESS=auto

