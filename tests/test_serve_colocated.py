@@ -19,11 +19,13 @@ INGRESS = "OpenAIIngress"
 ARGS = {
     "max_model_len": MAX_MODEL_LEN,
     "max_num_seqs": 8,
+    "max_ongoing_requests": 2,
+    "max_queued_requests": 2,
     "num_cpus": 0.25,
     "engine_process": True,
     "colocate_ingress": True,
     "api_keys": {"key-a": "a"},
-    "tenants": {"a": {"max_concurrent_requests": 4}},
+    "tenants": {"a": {"max_concurrent_requests": 16}},
 }
 PROMPT = "The capital of France is"
 HEADERS = {"Authorization": "Bearer key-a"}
@@ -83,4 +85,25 @@ def test_client_disconnect_while_waiting_for_a_full_response_frees_kv(served):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=1.5)
     elapsed, stats = wait_until_idle(APP, timeout_s=2, deployment=INGRESS)
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
+
+
+def test_overload_gets_openai_429_and_admitted_requests_finish(served):
+    url, _ = served
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}
+    capacity = ARGS["max_ongoing_requests"] + ARGS["max_queued_requests"]
+
+    def call(_):
+        return httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(3 * capacity) as pool:
+        responses = list(pool.map(call, range(3 * capacity)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429} and codes.count(200) <= capacity, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "server_overloaded" and r.headers["retry-after"]
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 24
+    elapsed, stats = wait_until_idle(APP, timeout_s=5, deployment=INGRESS)
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats

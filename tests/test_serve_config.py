@@ -10,7 +10,7 @@ import yaml
 
 from cluster.app_config import ENGINE_KEYS, AppConfig, TenantConfig, load_app_config
 from cluster.cli import build_parser, parse_serve_args
-from cluster.deployments import build_openai_app, llm_server_options
+from cluster.deployments import build_openai_app, colocated_capacity, llm_server_options
 from cluster.tenants import TenantLimiter, TenantResolver
 from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV, node_env
 from engine.api.protocol import APIError
@@ -197,9 +197,8 @@ def test_every_deployment_and_node_runs_serves_grpc_fast_path():
         options = deployment.ray_actor_options
         assert options["runtime_env"]["env_vars"] == SERVE_FAST_PATH_ENV, deployment.name
     assert SERVE_FAST_PATH_ENV.items() <= node_env().items()
-    # Direct ingress only from the nodes: replicas that turned it on by themselves would
-    # disagree with a controller started without it.
-    assert DIRECT_INGRESS_ENV.items() <= node_env().items()
+    # Direct ingress is the nodes' choice (off by default): replicas that turned it on by
+    # themselves would disagree with a controller started without it.
     assert not DIRECT_INGRESS_ENV.keys() & SERVE_FAST_PATH_ENV.keys()
 
 
@@ -211,4 +210,8 @@ def test_colocated_ingress_takes_the_engine_replicas_options():
     expected = llm_server_options(config.with_resolved_device())
     assert ingress._deployment_config.autoscaling_config.max_replicas == 3
     assert ingress._replica_config.placement_group_bundles == expected["placement_group_bundles"]
-    assert ingress._deployment_config.max_ongoing_requests == expected["max_ongoing_requests"]
+    # The replica bounds its requests itself (OpenAI's 429); Serve's bound sits above it.
+    capacity = colocated_capacity(config)
+    assert capacity == 5 * expected["max_ongoing_requests"]  # running + 4x as many waiting
+    assert ingress._deployment_config.max_ongoing_requests > capacity
+    assert ingress._deployment_config.max_queued_requests == -1
