@@ -90,8 +90,6 @@ class EngineHost:
         if not isinstance(result, SSEStream):
             yield result.model_dump(mode="json")
             return
-        async for text in result.events:
-            yield text
         events = result.events
         try:
             async for text in events:
