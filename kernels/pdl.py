@@ -30,9 +30,12 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def use_pdl(t: torch.Tensor) -> bool:
-    """Launch kernels on t's device with PDL (pass as launch_pdl= and USE_PDL=)."""
-    return t.is_cuda and _supported(t.device.index or 0)
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """Launch options for a kernel on t's device: `kernel[grid](..., **pdl_launch(t))`.
+    The launch attribute and the kernel's USE_PDL wait always go together: a kernel
+    launched with PDL that did not wait would race the one before it."""
+    on = t.is_cuda and _supported(t.device.index or 0)
+    return {"USE_PDL": on, "launch_pdl": on}
 
 
 @triton.jit

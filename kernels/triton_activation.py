@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import use_pdl, wait_for_previous_kernel
+from kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -34,7 +34,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out_rows = out.view(-1, inter)
     block = min(1024, triton.next_power_of_2(max(inter, 1)))
     if rows.shape[0] > 0 and inter > 0:
-        pdl = use_pdl(x)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
             rows,
             out_rows,
@@ -42,7 +41,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
             out_rows.stride(0),
             inter,
             BLOCK=block,
-            USE_PDL=pdl,
-            launch_pdl=pdl,
+            **pdl_launch(x),
         )
     return out

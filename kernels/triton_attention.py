@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import use_pdl, wait_for_previous_kernel
+from kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -116,7 +116,6 @@ def store_kv_triton(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = use_pdl(key)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -135,8 +134,7 @@ def store_kv_triton(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2],
-        USE_PDL=pdl,
-        launch_pdl=pdl,
+        **pdl_launch(key),
     )
 
 
@@ -486,7 +484,6 @@ def paged_attention_triton(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     qk_scale = scale * LOG2E
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    pdl = use_pdl(query)
 
     if max_query_len == 1:
         if num_splits is None:
@@ -545,10 +542,9 @@ def paged_attention_triton(
             BLOCK_S=triton.next_power_of_2(num_splits),
             SINGLE_SPLIT=single,
             DOT_PRECISION=precision,
-            USE_PDL=pdl,
+            **pdl_launch(query),
             num_warps=num_warps,
             num_stages=DECODE_NUM_STAGES,
-            launch_pdl=pdl,
         )
         return out
 
@@ -583,10 +579,9 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         DOT_PRECISION=precision,
-        USE_PDL=pdl,
+        **pdl_launch(query),
         num_warps=num_warps,
         num_stages=num_stages,
-        launch_pdl=pdl,
     )
     return out
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import use_pdl, wait_for_previous_kernel
+from kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 BLOCK_N = 2
 BLOCK_K = 1024
@@ -79,7 +79,6 @@ def gemv_triton(
     n, k = weight.shape
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = use_pdl(x)
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
         x.contiguous(),
         weight,
@@ -91,8 +90,7 @@ def gemv_triton(
         HAS_BIAS=bias is not None,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
-        USE_PDL=pdl,
+        **pdl_launch(x),
         num_warps=NUM_WARPS,
-        launch_pdl=pdl,
     )
     return y

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import use_pdl, wait_for_previous_kernel
+from kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -69,7 +69,6 @@ def _launch(x, residual, weight, eps):
         r2, ro2, residual_out = x2, out2, None
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(hidden)
-        pdl = use_pdl(x)
         _rms_norm_kernel[(x2.shape[0],)](
             x2,
             r2,
@@ -84,9 +83,8 @@ def _launch(x, residual, weight, eps):
             eps,
             BLOCK=block,
             ADD_RESIDUAL=residual is not None,
-            USE_PDL=pdl,
+            **pdl_launch(x),
             num_warps=min(16, max(1, block // 512)),
-            launch_pdl=pdl,
         )
     return out, residual_out
 

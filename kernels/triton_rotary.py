@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import use_pdl, wait_for_previous_kernel
+from kernels.pdl import pdl_launch, wait_for_previous_kernel
 from kernels.triton_attention import paged_slot_offsets
 
 
@@ -154,7 +154,6 @@ def _launch(positions, query, key, cos_sin_cache, store_kv=None) -> None:
         k_cache, v_cache, block_size = kv_cache[0], kv_cache[1], kv_cache.shape[2]
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     half = head_dim // 2
-    pdl = use_pdl(query)
     _rotary_kernel[(num_tokens,)](
         positions,
         query,
@@ -180,6 +179,5 @@ def _launch(positions, query, key, cos_sin_cache, store_kv=None) -> None:
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=block_size,
         STORE_KV=store_kv is not None,
-        USE_PDL=pdl,
-        launch_pdl=pdl,
+        **pdl_launch(query),
     )
