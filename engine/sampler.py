@@ -207,26 +207,28 @@ def sample_on_device(
     return sampled, raw_logprobs
 
 
-def _greedy_pass_eligible(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-    """Greedy rows only, with nothing to change in the logits first: a Triton argmax."""
+def _logits_used_as_is(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """On a GPU, with no logprobs to report and nothing (min_tokens, penalties) to change in
+    the logits before sampling: the Triton passes below can read them directly."""
     return (
-        batch.all_greedy
-        and use_triton(logits)
+        use_triton(logits)
         and batch.max_num_logprobs is None
         and batch.min_tokens_mask is None
         and batch.output_token_counts is None
     )
 
 
+def _greedy_pass_eligible(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """Greedy rows only: a Triton argmax."""
+    return batch.all_greedy and _logits_used_as_is(logits, batch)
+
+
 def _one_pass_eligible(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-    """Temperature sampling with nothing to change in the logits first and no seeded row:
-    one Triton pass (kernels/triton_sampling.py) instead of the chain below."""
+    """Temperature sampling with no filter and no seeded row: one Triton pass
+    (kernels/triton_sampling.py) instead of the chain below."""
     return (
         not batch.all_greedy
-        and use_triton(logits)
-        and batch.max_num_logprobs is None
-        and batch.min_tokens_mask is None
-        and batch.output_token_counts is None
+        and _logits_used_as_is(logits, batch)
         and batch.top_k is None
         and batch.top_p is None
         and batch.min_p is None
