@@ -158,7 +158,7 @@ class _LocalReplies:
         # A generator that already ended or is still running in its caller's task: nothing
         # to close here (the caller's cancellation or exit closes it).
         closing.add_done_callback(lambda task: task.cancelled() or task.exception())
-        self._closing = closing
+        self._closing = closing  # the event loop keeps only a weak reference to its tasks
 
 
 class _Rejected:

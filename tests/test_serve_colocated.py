@@ -9,8 +9,13 @@ import json
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
-from tests.test_serve_support import delete_app, run_app, server_stats, wait_until_idle
+from engine import SamplingParams
+from tests.test_serve_support import (
+    delete_app,
+    run_app_beside_offline_llm,
+    server_stats,
+    wait_until_idle,
+)
 
 APP = "colocated"
 MODEL = "SmolLM2-135M-Instruct"
@@ -33,11 +38,7 @@ HEADERS = {"Authorization": "Bearer key-a"}
 
 @pytest.fixture(scope="module")
 def served():
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        offline = pool.submit(LLM, max_model_len=MAX_MODEL_LEN)
-        url = run_app(APP, ARGS)
-        llm = offline.result()
-    yield url, llm
+    yield run_app_beside_offline_llm(APP, ARGS)
     delete_app(APP)
 
 

@@ -18,7 +18,12 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.tokenizer import apply_chat_template
-from tests.test_serve_support import delete_app, run_app, server_stats, wait_until_idle
+from tests.test_serve_support import (
+    delete_app,
+    run_app_beside_offline_llm,
+    server_stats,
+    wait_until_idle,
+)
 
 APP = "openai"
 MODEL = "SmolLM2-135M-Instruct"
@@ -53,11 +58,7 @@ FAST = {"temperature": 0, "max_tokens": 8}
 @pytest.fixture(scope="module")
 def served():
     """(base URL, offline LLM): the replica and the local LLM load at the same time."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        offline = pool.submit(LLM, max_model_len=MAX_MODEL_LEN)
-        url = run_app(APP, ARGS)
-        llm = offline.result()
-    yield url, llm
+    yield run_app_beside_offline_llm(APP, ARGS)
     delete_app(APP)
 
 

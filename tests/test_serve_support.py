@@ -3,6 +3,7 @@ free port of 127.0.0.1, and helpers to run and inspect one app per module."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import time
@@ -44,6 +45,17 @@ def run_app(name: str, args: dict[str, Any]) -> str:
     url = start_ray()
     serve.run(build_app(args), name=name, route_prefix="/")
     return url
+
+
+def run_app_beside_offline_llm(name: str, args: dict[str, Any]) -> tuple[str, Any]:
+    """run_app, while an offline LLM of the bundled model with the app's max_model_len
+    loads in a thread: (base URL, LLM), the reference the app's answers are held to."""
+    from engine import LLM
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        offline = pool.submit(LLM, max_model_len=args["max_model_len"])
+        url = run_app(name, args)
+        return url, offline.result()
 
 
 def delete_app(name: str) -> None:
