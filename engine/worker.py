@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed import init_symmetric_all_reduce
+from engine.distributed import init_sequence_parallel, init_symmetric_all_reduce
 from engine.loader import ModelSource
 from engine.model_runner import ModelRunner, PendingRunnerOutput
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -29,6 +29,7 @@ class Worker:
             init_symmetric_all_reduce(self.device)
         else:
             self.device = torch.device("cpu")
+        init_sequence_parallel(config.parallel_config.sequence_parallel_min_tokens)
         self.runner = ModelRunner(config, hf_config, self.device)
         self.source = source
         self.profiler = StepProfiler.from_env(rank)

@@ -101,9 +101,23 @@ def _assert_gone(pids: list[int], timeout_s: float = 15.0) -> None:
     assert not [p for p in pids if psutil.pid_exists(p)]
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(3, 1), (1, 2), (3, 2)], ids=["tp3", "pp2", "tp3xpp2"])
-def test_smollm2_parallel_greedy_equals_tp1(ray_instance, smollm2, tp, pp):
-    llm = LLM(**SMOL_ARGS, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+@pytest.mark.parametrize(
+    ("tp", "pp", "sequence_parallel_min_tokens"),
+    [(3, 1, None), (1, 2, None), (3, 2, None), (3, 2, 3)],
+    ids=["tp3", "pp2", "tp3xpp2", "tp3xpp2-sequence-parallel-prefills"],
+)
+def test_smollm2_parallel_greedy_equals_tp1(
+    ray_instance, smollm2, tp, pp, sequence_parallel_min_tokens
+):
+    # Sequence parallel from 3 tokens: the prefills (5 and 6 tokens: rows padded to a
+    # multiple of 3) run with the residual stream split by rows across the TP ranks and
+    # handed between the stages whole; the decodes of one or two tokens all-reduce.
+    llm = LLM(
+        **SMOL_ARGS,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        sequence_parallel_min_tokens=sequence_parallel_min_tokens,
+    )
     try:
         in_flight = record_steps_in_flight(llm.engine)
         assert _tokens(llm, TEXT_PROMPTS) == smollm2[1]

@@ -14,6 +14,7 @@ from torch import nn
 from engine.distributed import (
     get_tp_rank,
     get_tp_size,
+    sequence_reduce_scatter,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
@@ -41,12 +42,15 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """[T] -> [T, H]; with sequence_parallel, this rank's rows (sequence_shard) of it."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mask, input_ids - self.vocab_start, 0)
         y = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        if sequence_parallel:
+            return sequence_reduce_scatter(y)
         return tensor_model_parallel_all_reduce(y)
 
     def extra_repr(self) -> str:

@@ -15,9 +15,11 @@ from torch import nn
 
 import kernels
 from engine.distributed import (
+    all_gather_linear,
     divide,
     get_tp_rank,
     get_tp_size,
+    linear_reduce_scatter,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
@@ -94,6 +96,12 @@ class ColumnParallelLinear(LinearBase):
         y = kernels.linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
+    def forward_gathered(self, x_shard: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Sequence parallel: x_shard is this rank's rows; the output has all num_tokens."""
+        if self.gather_output:
+            raise ValueError("a sequence-parallel input needs gather_output=False")
+        return all_gather_linear(x_shard, self.weight, self.bias, num_tokens)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate_up_proj); shard_id indexes output_sizes."""
@@ -169,3 +177,7 @@ class RowParallelLinear(LinearBase):
         # Every rank holds the whole bias; only rank 0 adds it, so the sum counts it once.
         y = kernels.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y) if self.reduce_results else y
+
+    def forward_scattered(self, x: torch.Tensor) -> torch.Tensor:
+        """Sequence parallel: the summed output's rows of this rank (engine.distributed.sequence_shard)."""
+        return linear_reduce_scatter(x, self.weight, self.bias)

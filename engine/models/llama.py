@@ -13,7 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.distributed import get_pp_layer_range, get_pp_rank, get_pp_size
+from engine.distributed import (
+    get_pp_layer_range,
+    get_pp_rank,
+    get_pp_size,
+    sequence_gather,
+    sequence_parallel_enabled,
+    sequence_shard,
+)
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -41,8 +48,12 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, gathered_tokens: int | None = None) -> torch.Tensor:
+        """gathered_tokens: the batch's size when x is this rank's sequence-parallel rows."""
+        if gathered_tokens is None:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj.forward_gathered(x, gathered_tokens)
+        return self.down_proj.forward_scattered(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):
@@ -78,16 +89,22 @@ class LlamaAttention(nn.Module):
             sliding_window=arch.sliding_window_of(config),
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, sequence_parallel: bool = False
+    ) -> torch.Tensor:
+        num_tokens = positions.shape[0]
+        if sequence_parallel:
+            qkv = self.qkv_proj.forward_gathered(hidden_states, num_tokens)
+        else:
+            qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, -1, self.head_dim)
         k = k.reshape(num_tokens, -1, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
+        out = self.attn(q, k, v, positions, self.rotary_emb)
+        return self.o_proj.forward_scattered(out) if sequence_parallel else self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,16 +118,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        sequence_parallel: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With sequence_parallel, hidden_states and residual are this rank's rows of the
+        batch (engine.distributed.sequence_shard) in and out."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(positions, hidden_states, sequence_parallel)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        gathered_tokens = positions.shape[0] if sequence_parallel else None
+        return self.mlp(hidden_states, gathered_tokens), residual
 
 
 class LlamaModel(nn.Module):
@@ -139,17 +163,24 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
+        num_tokens = positions.shape[0]
+        sequence_parallel = sequence_parallel_enabled(num_tokens)
         if self.is_first_stage:
-            hidden_states, residual = self.embed_tokens(input_ids), None
+            hidden_states, residual = self.embed_tokens(input_ids, sequence_parallel), None
         else:
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
+            if sequence_parallel:
+                hidden_states, residual = sequence_shard(hidden_states), sequence_shard(residual)
         for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = layer(positions, hidden_states, residual, sequence_parallel)
         if not self.is_last_stage:
+            if sequence_parallel:
+                hidden_states = sequence_gather(hidden_states, num_tokens)
+                residual = sequence_gather(residual, num_tokens)
             return {"hidden_states": hidden_states, "residual": residual}
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return sequence_gather(hidden_states, num_tokens) if sequence_parallel else hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
