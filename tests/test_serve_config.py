@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -200,6 +202,20 @@ def test_every_deployment_and_node_runs_serves_grpc_fast_path():
     # Direct ingress is the nodes' choice (off by default): replicas that turned it on by
     # themselves would disagree with a controller started without it.
     assert not DIRECT_INGRESS_ENV.keys() & SERVE_FAST_PATH_ENV.keys()
+
+
+def test_direct_ingress_runs_haproxy_without_splicing(monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in node_env()
+    # Turning direct ingress on is enough: kvray's launchers add the rest.
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    env = node_env()
+    assert DIRECT_INGRESS_ENV.items() <= env.items()
+    wrapper = env["RAY_SERVE_HAPROXY_BINARY_PATH"]
+    assert os.access(wrapper, os.X_OK)  # Serve starts it only if it is executable
+    version = subprocess.run([wrapper, "-v"], env=env, capture_output=True, text=True)
+    assert version.returncode == 0 and "HAProxy version" in version.stdout
 
 
 def test_colocated_ingress_takes_the_engine_replicas_options():

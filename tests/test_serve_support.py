@@ -12,15 +12,26 @@ from typing import Any
 _state: dict[str, Any] = {}
 
 
-def start_ray() -> str:
-    """Start Ray + Serve once per session; returns the HTTP base URL."""
+def start_ray(env: dict[str, str] | None = None) -> str:
+    """Start Ray + Serve once per session; returns the HTTP base URL.
+
+    `env`: variables for the Ray processes (Serve's controller, proxies and HAProxy read
+    theirs at start), a variable already set in this process wins; a module asking for
+    another `env` than the running Ray's restarts Ray.
+    """
+    env = env or {}
     if "url" in _state:
-        return _state["url"]
+        if _state["env"] == env:
+            return _state["url"]
+        stop_ray()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Autoscaling metrics every 0.5 s instead of 10 s (read by the controller at start).
     os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
     os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    environ = dict(os.environ)
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
     from cluster.topology import use_serve_fast_path
 
     use_serve_fast_path()  # as `serve run serve_app:...` does: the proxy reads it at start
@@ -32,29 +43,44 @@ def start_ray() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    _state["url"] = f"http://127.0.0.1:{port}"
+    _state.update(url=f"http://127.0.0.1:{port}", env=env, environ=environ)
     return _state["url"]
 
 
-def run_app(name: str, args: dict[str, Any]) -> str:
-    """Deploy `serve_app:build_app(args)` at /; returns the base URL."""
+def stop_ray() -> None:
+    """Stop the session's Ray and put back the environment it started from."""
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+    os.environ.clear()
+    os.environ.update(_state["environ"])
+    _state.clear()
+
+
+def run_app(name: str, args: dict[str, Any], env: dict[str, str] | None = None) -> str:
+    """Deploy `serve_app:build_app(args)` at / of a Ray started with `env`; returns the
+    base URL."""
     from ray import serve
 
     from serve_app import build_app
 
-    url = start_ray()
+    url = start_ray(env)
     serve.run(build_app(args), name=name, route_prefix="/")
     return url
 
 
-def run_app_beside_offline_llm(name: str, args: dict[str, Any]) -> tuple[str, Any]:
+def run_app_beside_offline_llm(
+    name: str, args: dict[str, Any], env: dict[str, str] | None = None
+) -> tuple[str, Any]:
     """run_app, while an offline LLM of the bundled model with the app's max_model_len
     loads in a thread: (base URL, LLM), the reference the app's answers are held to."""
     from engine import LLM
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         offline = pool.submit(LLM, max_model_len=args["max_model_len"])
-        url = run_app(name, args)
+        url = run_app(name, args, env)
         return url, offline.result()
 
 
