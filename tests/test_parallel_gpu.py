@@ -53,43 +53,6 @@ def test_tp2_sequence_parallel_equals_tp1_in_float32(tiny):
     assert got == want
 
 
-def _sequence_parallel_rank(rank: int, port: int) -> None:
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from engine import distributed as kd
-
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    kd.init_distributed(2, 1, rank, backend="nccl", init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        assert kd.init_symmetric_all_reduce(device)
-        kd.init_sequence_parallel(None)
-        assert kd.sequence_parallel_enabled(kd.SEQUENCE_PARALLEL_MIN_TOKENS)
-        assert not kd.sequence_parallel_enabled(kd.SEQUENCE_PARALLEL_MIN_TOKENS - 1)
-        for num_tokens in (4096, 3001, 1):
-            torch.manual_seed(num_tokens)  # the same batch on both ranks
-            x = torch.randn(num_tokens, 512, dtype=torch.float32, device=device)
-            torch.manual_seed(num_tokens + 1 + rank)  # each rank's own weight shard
-            w = torch.randn(384, 512, dtype=torch.float32, device=device) / 16
-            bias = torch.randn(384, dtype=torch.float32, device=device)
-            shard = kd.sequence_shard(x)
-            assert shard.shape[0] == -(-num_tokens // 2)
-            assert torch.equal(kd.sequence_gather(shard, num_tokens), x)
-            got = kd.all_gather_linear(shard, w, bias, num_tokens)
-            torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
-            summed = F.linear(x, w)
-            dist.all_reduce(summed, group=kd._tp_group())
-            got = kd.linear_reduce_scatter(x, w, bias)
-            torch.testing.assert_close(got, kd.sequence_shard(summed + bias), rtol=1e-5, atol=1e-4)
-    finally:
-        kd.destroy_distributed()
-
-
-def test_sequence_parallel_collective_gemms_equal_plain_ones():
-    mp.start_processes(_sequence_parallel_rank, args=(free_port(),), nprocs=2, start_method="spawn")
-
-
 def _peer_all_reduce_rank(rank: int, port: int) -> None:
     import torch.distributed as dist
 
