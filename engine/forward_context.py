@@ -25,6 +25,8 @@ class AttentionMetadata:
     """[B, max_blocks] int32: physical block ids of each request, 0-padded (block 0 is null)."""
     max_query_len: int
     max_seq_len: int
+    num_decodes: int = 0
+    """How many requests at the front of the batch have one query token each."""
 
 
 _current: AttentionMetadata | None = None

@@ -270,7 +270,10 @@ class ModelRunner:
         pending_dst: list[int] = []
         pending_src: list[int] = []
         offset = 0
+        num_decodes = 0  # requests at the front with one token each
         for i, (state, n) in enumerate(zip(states, out.num_scheduled_tokens.values())):
+            if n == 1 and num_decodes == i:
+                num_decodes += 1
             start = state.num_computed_tokens
             end = start + n
             blocks = state.block_ids
@@ -308,6 +311,7 @@ class ModelRunner:
             block_tables=self._h2d(block_tables),
             max_query_len=max(out.num_scheduled_tokens.values()),
             max_seq_len=int(seq_lens.max()),
+            num_decodes=num_decodes,
         )
         return BatchInputs(
             input_ids=self._h2d(input_ids),

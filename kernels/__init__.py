@@ -30,8 +30,18 @@ def store_kv(key, value, kv_cache, slot_mapping) -> None:
 
 
 def paged_attention(
-    query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
+    query,
+    kv_cache,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    scale,
+    max_query_len,
+    max_seq_len,
+    num_decodes=0,
 ):
+    """num_decodes: how many leading requests have one query token (a GPU batch splits them
+    off to the decode kernel); the reference does not need it."""
     if use_triton(query):
         from kernels.triton_attention import paged_attention_triton
 
@@ -44,6 +54,7 @@ def paged_attention(
             scale,
             max_query_len,
             max_seq_len,
+            num_decodes=num_decodes,
         )
     return paged_attention_ref(
         query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len

@@ -464,126 +464,162 @@ def paged_attention_triton(
     max_query_len: int,
     max_seq_len: int,
     *,
+    num_decodes: int = 0,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over paged context; returns [T, Hq, D].
 
     max_query_len / max_seq_len may be upper bounds (CUDA graphs capture with the
-    largest). num_splits overrides the decode partition count (benchmarks).
+    largest). The first `num_decodes` requests have one query token each: in a batch that
+    also holds longer queries they take the decode kernel, and the prefill kernel's grid
+    covers only the rest (its programs for query tiles past a request's length would
+    otherwise be launched for every decode, and its query tiles are mostly empty rows
+    for them). num_splits overrides the decode partition count (benchmarks).
     """
     _check_attention_args(query, kv_cache, query_start_loc, seq_lens, block_tables)
-    num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = num_heads // num_kv_heads
+    num_tokens = query.shape[0]
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    qk_scale = scale * LOG2E
-    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-
+    args = _KernelArgs(query, kv_cache, out, scale)
     if max_query_len == 1:
-        if num_splits is None:
-            num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
-            num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
-        block_g = max(16, triton.next_power_of_2(group))
-        block_n, num_warps = DECODE_BLOCK_N, DECODE_NUM_WARPS
-        if block_g >= 32:
-            # Many query rows per program (MQA-like groups): more warps, and float32 tiles
-            # small enough not to spill.
-            num_warps = 8
-            block_n = 32 if query.dtype == torch.float32 else block_n
-        elif group <= 2 and num_splits == 1 and query.dtype != torch.float32:
-            block_n = DECODE_BLOCK_N_FEW_HEADS
-        partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-        single = num_splits == 1
-        if single:
-            # The kernel writes the final output directly; the partial buffers go unused.
-            part_out, part_lse, counters = out, out, out
-            part_strides = (0, 0, 0, 0, 0)
-        else:
-            part_out = torch.empty(
-                (num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device
-            )
-            part_lse = torch.empty(
-                (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
-            )
-            part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
-            counters = _merge_counters(query.device, num_seqs * num_kv_heads)
-        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-            query,
-            k_cache,
-            v_cache,
-            out,
-            part_out,
-            part_lse,
-            counters,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            qk_scale,
-            partition,
-            query.stride(0),
-            query.stride(1),
-            out.stride(0),
-            out.stride(1),
-            *cache_strides,
-            block_tables.stride(0),
-            *part_strides,
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            BLOCK_G=block_g,
-            BLOCK_D=block_d,
-            BLOCK_N=block_n,
-            BLOCK_SIZE=block_size,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            SINGLE_SPLIT=single,
-            DOT_PRECISION=precision,
-            **pdl_launch(query),
-            num_warps=num_warps,
-            num_stages=DECODE_NUM_STAGES,
-        )
+        _launch_decode(args, query_start_loc, seq_lens, block_tables, max_seq_len, num_splits)
         return out
+    if 0 < num_decodes < num_seqs:
+        _launch_decode(
+            args,
+            query_start_loc[: num_decodes + 1],
+            seq_lens[:num_decodes],
+            block_tables[:num_decodes],
+            max_seq_len,
+            num_splits,
+        )
+        query_start_loc = query_start_loc[num_decodes:]
+        seq_lens, block_tables = seq_lens[num_decodes:], block_tables[num_decodes:]
+    _launch_prefill(args, query_start_loc, seq_lens, block_tables, max_query_len)
+    return out
 
-    max_m, block_n, num_warps, num_stages = (
-        PREFILL_CONFIG_FP32 if query.dtype == torch.float32 else PREFILL_CONFIG
-    )
-    # Small tiles when every query is short (decodes mixed with short chunks).
-    block_m = max(16, min(max_m, triton.next_power_of_2(max_query_len * group)))
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
-    _prefill_kernel[grid](
+
+class _KernelArgs:
+    """What the decode and prefill launches of one attention call share."""
+
+    def __init__(self, query, kv_cache, out, scale):
+        self.query, self.out = query, out
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        self.block_size, self.num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        self.group = num_heads // self.num_kv_heads
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.k_cache, self.v_cache = kv_cache[0], kv_cache[1]
+        self.block_d = max(16, triton.next_power_of_2(head_dim))
+        self.precision = "ieee" if query.dtype == torch.float32 else "tf32"
+        self.qk_scale = scale * LOG2E
+        k = self.k_cache
+        self.cache_strides = (k.stride(0), k.stride(1), k.stride(2))
+
+
+def _launch_decode(a, query_start_loc, seq_lens, block_tables, max_seq_len, num_splits):
+    query, out = a.query, a.out
+    num_seqs = seq_lens.shape[0]
+    if num_splits is None:
+        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
+        num_splits = decode_num_splits(num_seqs, a.num_kv_heads, max_seq_len, num_sms)
+    block_g = max(16, triton.next_power_of_2(a.group))
+    block_n, num_warps = DECODE_BLOCK_N, DECODE_NUM_WARPS
+    if block_g >= 32:
+        # Many query rows per program (MQA-like groups): more warps, and float32 tiles
+        # small enough not to spill.
+        num_warps = 8
+        block_n = 32 if query.dtype == torch.float32 else block_n
+    elif a.group <= 2 and num_splits == 1 and query.dtype != torch.float32:
+        block_n = DECODE_BLOCK_N_FEW_HEADS
+    partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    single = num_splits == 1
+    if single:
+        # The kernel writes the final output directly; the partial buffers go unused.
+        part_out, part_lse, counters = out, out, out
+        part_strides = (0, 0, 0, 0, 0)
+    else:
+        part_out = torch.empty(
+            (num_seqs, a.num_heads, num_splits, a.block_d), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, a.num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
+        counters = _merge_counters(query.device, num_seqs * a.num_kv_heads)
+    _decode_kernel[(num_seqs, a.num_kv_heads, num_splits)](
         query,
-        k_cache,
-        v_cache,
+        a.k_cache,
+        a.v_cache,
         out,
+        part_out,
+        part_lse,
+        counters,
         query_start_loc,
         seq_lens,
         block_tables,
-        qk_scale,
+        a.qk_scale,
+        partition,
         query.stride(0),
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        *cache_strides,
+        *a.cache_strides,
         block_tables.stride(0),
-        GROUP=group,
-        HEAD_DIM=head_dim,
+        *part_strides,
+        GROUP=a.group,
+        HEAD_DIM=a.head_dim,
+        BLOCK_G=block_g,
+        BLOCK_D=a.block_d,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=a.block_size,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        SINGLE_SPLIT=single,
+        DOT_PRECISION=a.precision,
+        **pdl_launch(query),
+        num_warps=num_warps,
+        num_stages=DECODE_NUM_STAGES,
+    )
+
+
+def _launch_prefill(a, query_start_loc, seq_lens, block_tables, max_query_len):
+    query, out = a.query, a.out
+    max_m, block_n, num_warps, num_stages = (
+        PREFILL_CONFIG_FP32 if query.dtype == torch.float32 else PREFILL_CONFIG
+    )
+    # Small tiles when every query is short (decodes mixed with short chunks).
+    block_m = max(16, min(max_m, triton.next_power_of_2(max_query_len * a.group)))
+    block_m = max(block_m, triton.next_power_of_2(a.group))
+    block_q = block_m // a.group
+    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_q), a.num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        a.k_cache,
+        a.v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        a.qk_scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *a.cache_strides,
+        block_tables.stride(0),
+        GROUP=a.group,
+        HEAD_DIM=a.head_dim,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_D=block_d,
+        BLOCK_D=a.block_d,
         BLOCK_N=block_n,
-        BLOCK_SIZE=block_size,
-        DOT_PRECISION=precision,
+        BLOCK_SIZE=a.block_size,
+        DOT_PRECISION=a.precision,
         **pdl_launch(query),
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out
 
 
 __all__ = ["decode_num_splits", "paged_attention_triton", "store_kv_triton"]

@@ -336,7 +336,15 @@ def test_triton_paged_attention(kind, num_heads, num_kv_heads, head_dim, dtype):
 
     q_lens, ctx = scenario(kind, seed=head_dim + num_heads)
     batch = make_paged_batch(q_lens, ctx, num_heads, num_kv_heads, head_dim, 16, dtype, DEVICE)
-    assert_matches(paged_attention_triton(**batch), run_ref(batch))
+    want = run_ref(batch)
+    assert_matches(paged_attention_triton(**batch), want)
+    if kind == "mixed":
+        # The leading decodes split off to the decode kernel, as the model runner asks.
+        assert_matches(paged_attention_triton(**batch, num_decodes=leading_decodes(q_lens)), want)
+
+
+def leading_decodes(q_lens: list[int]) -> int:
+    return next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
 
 
 @pytest.mark.parametrize(
@@ -347,6 +355,7 @@ def test_triton_paged_attention(kind, num_heads, num_kv_heads, head_dim, dtype):
         ([1] * BIG_BATCH, list(range(3, BIG_BATCH * 5, 5))),
         ([1, 1], [2999, 20]),  # partitions past the short request's end
         ([300, 1], [0, 33]),  # prefill longer than one query tile
+        ([1, 1, 1, 300, 1, 20], [4500, 7, 0, 64, 3, 900]),  # decodes first, then chunks
     ],
 )
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -355,7 +364,8 @@ def test_triton_paged_attention_batch_shapes(q_lens, ctx_lens, block_size):
     from kernels.triton_attention import paged_attention_triton
 
     batch = make_paged_batch(q_lens, ctx_lens, 32, 8, 128, block_size, HALF, DEVICE)
-    assert_matches(paged_attention_triton(**batch), run_ref(batch))
+    num_decodes = leading_decodes(q_lens)
+    assert_matches(paged_attention_triton(**batch, num_decodes=num_decodes), run_ref(batch))
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (8, 8)])

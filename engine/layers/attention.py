@@ -79,6 +79,7 @@ class Attention(nn.Module):
                 self.scale,
                 meta.max_query_len,
                 meta.max_seq_len,
+                meta.num_decodes,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
