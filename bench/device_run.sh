@@ -16,6 +16,7 @@
 #          kernel table
 # latency: bench.suite batch-1 decode for llama3-8b
 # qwen3:   bench.suite for qwen3-0.6b (batch-1 decode, mixed lengths)
+# llama3:  bench.suite for llama3-8b, every workload, without the HF baseline
 # allreduce: all-reduce latency in CUDA graphs, NCCL against peer memory (two GPUs)
 # tpprofile: TP=2 llama3-8b batch-1 decode, both ranks' kernel tables (steps 100..109)
 #
@@ -72,6 +73,7 @@ for s in "$@"; do
     latency) stage latency-llama3-8b 120 python -m bench.suite --model-shape llama3-8b \
         --only latency --record ;;
     qwen3) qwen3_suite ;;
+    llama3) stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --record ;;
     allreduce)
         stage allreduce-isolated 120 python -m bench.allreduce
         stage allreduce-shared 120 python -m bench.allreduce --shared-devices
