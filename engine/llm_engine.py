@@ -89,9 +89,10 @@ class LLMEngine:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """A few tiny requests through a prefill over a block table, decodes, greedy and
-        random sampling: Triton compiles these kernels now, not during the first requests.
-        They leave nothing behind: no cached blocks, no prefix-cache counts."""
+        """A few tiny requests through a prefill over a block table, decodes, a step that
+        mixes a decode with a prefill, greedy and random sampling: Triton compiles these
+        kernels now, not during the first requests. They leave nothing behind: no cached
+        blocks, no prefix-cache counts."""
         room = self.config.scheduler_config.max_model_len - 4  # prompt + 4 new tokens fit
         if room <= 0:
             return
@@ -99,6 +100,9 @@ class LLMEngine:
         for i, (length, temperature) in enumerate(((40, 0.0), (17, 1.0))):
             params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
             self.add_request(f"kvray-warm-up-{i}", [token + i] * min(length, room), params)
+            # The second arrives once the first is decoding: their step is a mixed batch.
+            while self.scheduler.waiting:
+                self.step()
         while self.has_unfinished_requests():
             self.step()
         kv = self.scheduler.kv_cache_manager

@@ -487,13 +487,15 @@ def paged_attention_triton(
         _launch_decode(args, query_start_loc, seq_lens, block_tables, max_seq_len, num_splits)
         return out
     if 0 < num_decodes < num_seqs:
+        # Unsplit: beside a prefill the GPU has work enough, and one kernel variant serves
+        # every mixed batch (the engine's warm-up compiles it; a split count is a constexpr).
         _launch_decode(
             args,
             query_start_loc[: num_decodes + 1],
             seq_lens[:num_decodes],
             block_tables[:num_decodes],
             max_seq_len,
-            num_splits,
+            num_splits or 1,
         )
         query_start_loc = query_start_loc[num_decodes:]
         seq_lens, block_tables = seq_lens[num_decodes:], block_tables[num_decodes:]

@@ -288,6 +288,24 @@ def test_warm_up_leaves_no_state_behind():
     assert llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids == before
 
 
+def test_warm_up_runs_a_batch_that_mixes_a_decode_with_a_prefill():
+    # A GPU launches a kernel variant for the decodes of a mixed batch that Triton must
+    # compile before the first user's batch, not in it.
+    engine = LLM(max_model_len=256).engine
+    runner = engine.executor.worker.runner
+    batches = []
+    prepare = runner.prepare_inputs
+
+    def spy(out):
+        inputs = prepare(out)
+        batches.append((inputs.attn_metadata.num_decodes, inputs.attn_metadata.max_query_len))
+        return inputs
+
+    runner.prepare_inputs = spy
+    engine.warm_up()
+    assert any(decodes >= 1 and longest > 1 for decodes, longest in batches), batches
+
+
 def test_warm_up_fits_a_short_max_model_len():
     engine = LLM(max_model_len=20).engine
     engine.warm_up()
