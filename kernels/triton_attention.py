@@ -319,7 +319,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "first_req"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -337,6 +337,7 @@ def _prefill_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    first_req,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -350,7 +351,7 @@ def _prefill_kernel(
     wait_for_previous_kernel(USE_PDL)
     # Row r of the tile is query token q_tile * BLOCK_Q + r // GROUP of head r % GROUP in
     # this kv head's group, so one K/V tile load serves every head of the group.
-    req = tl.program_id(0)
+    req = first_req + tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -497,9 +498,9 @@ def paged_attention_triton(
             max_seq_len,
             num_splits or 1,
         )
-        query_start_loc = query_start_loc[num_decodes:]
-        seq_lens, block_tables = seq_lens[num_decodes:], block_tables[num_decodes:]
-    _launch_prefill(args, query_start_loc, seq_lens, block_tables, max_query_len)
+    else:
+        num_decodes = 0
+    _launch_prefill(args, query_start_loc, seq_lens, block_tables, max_query_len, num_decodes)
     return out
 
 
@@ -585,7 +586,10 @@ def _launch_decode(a, query_start_loc, seq_lens, block_tables, max_seq_len, num_
     )
 
 
-def _launch_prefill(a, query_start_loc, seq_lens, block_tables, max_query_len):
+def _launch_prefill(a, query_start_loc, seq_lens, block_tables, max_query_len, first_req):
+    """Requests first_req.. of the batch. An index rather than sliced tensors: Triton
+    specializes a kernel on each pointer's 16-byte alignment, and slices at every decode
+    count would compile it again and again during serving."""
     query, out = a.query, a.out
     max_m, block_n, num_warps, num_stages = (
         PREFILL_CONFIG_FP32 if query.dtype == torch.float32 else PREFILL_CONFIG
@@ -594,7 +598,7 @@ def _launch_prefill(a, query_start_loc, seq_lens, block_tables, max_query_len):
     block_m = max(16, min(max_m, triton.next_power_of_2(max_query_len * a.group)))
     block_m = max(block_m, triton.next_power_of_2(a.group))
     block_q = block_m // a.group
-    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_q), a.num_kv_heads)
+    grid = (seq_lens.shape[0] - first_req, triton.cdiv(max_query_len, block_q), a.num_kv_heads)
     _prefill_kernel[grid](
         query,
         a.k_cache,
@@ -610,6 +614,7 @@ def _launch_prefill(a, query_start_loc, seq_lens, block_tables, max_query_len):
         out.stride(1),
         *a.cache_strides,
         block_tables.stride(0),
+        first_req,
         GROUP=a.group,
         HEAD_DIM=a.head_dim,
         BLOCK_Q=block_q,
