@@ -42,23 +42,21 @@ def paged_attention(
 ):
     """num_decodes: how many leading requests have one query token (a GPU batch splits them
     off to the decode kernel); the reference does not need it."""
+    args = (
+        query,
+        kv_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        max_query_len,
+        max_seq_len,
+    )
     if use_triton(query):
         from kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(
-            query,
-            kv_cache,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            scale,
-            max_query_len,
-            max_seq_len,
-            num_decodes=num_decodes,
-        )
-    return paged_attention_ref(
-        query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
-    )
+        return paged_attention_triton(*args, num_decodes=num_decodes)
+    return paged_attention_ref(*args)
 
 
 def rms_norm(x, weight, eps):

@@ -12,8 +12,8 @@ import pytest
 from engine import SamplingParams
 from tests.test_serve_support import (
     delete_app,
+    leave_a_stream_midway,
     run_app_beside_offline_llm,
-    server_stats,
     wait_until_idle,
 )
 
@@ -71,12 +71,7 @@ def test_one_deployment_holds_the_engine_and_serves_the_offline_answers(served):
 def test_client_disconnect_mid_stream_frees_kv(served):
     url, _ = served
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=HEADERS) as response:
-        lines = response.iter_lines()
-        for _ in range(6):
-            next(lines)
-        assert server_stats(APP, INGRESS)["num_running"] == 1
-    elapsed, stats = wait_until_idle(APP, timeout_s=2, deployment=INGRESS)
+    elapsed, stats = leave_a_stream_midway(url, body, APP, INGRESS, HEADERS)
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
 
 

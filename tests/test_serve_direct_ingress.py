@@ -15,7 +15,13 @@ import httpx
 import pytest
 
 from cluster.topology import DIRECT_INGRESS_ENV
-from tests.test_serve_support import delete_app, run_app, server_stats, wait_until_idle
+from tests.test_serve_support import (
+    delete_app,
+    leave_a_stream_midway,
+    run_app,
+    server_stats,
+    wait_until_idle,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -92,10 +98,5 @@ def test_every_client_disconnect_while_waiting_for_a_full_response_frees_kv(serv
 
 def test_client_disconnect_mid_stream_frees_kv(served):
     url, name, deployment = served
-    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}) as r:
-        lines = r.iter_lines()
-        for _ in range(6):
-            next(lines)
-        assert server_stats(name, deployment)["num_running"] == 1
-    elapsed, stats = wait_until_idle(name, timeout_s=2, deployment=deployment)
+    elapsed, stats = leave_a_stream_midway(url, {**LONG, "stream": True}, name, deployment)
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats

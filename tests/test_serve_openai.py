@@ -20,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.tokenizer import apply_chat_template
 from tests.test_serve_support import (
     delete_app,
+    leave_a_stream_midway,
     run_app_beside_offline_llm,
     server_stats,
     wait_until_idle,
@@ -199,12 +200,7 @@ def test_client_disconnect_mid_stream_frees_kv(served):
     url, _ = served
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     headers = {"Authorization": "Bearer key-alice"}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
-        lines = response.iter_lines()
-        for _ in range(6):
-            next(lines)
-        assert server_stats(APP)["num_running"] == 1
-    elapsed, stats = wait_until_idle(APP, timeout_s=2)
+    elapsed, stats = leave_a_stream_midway(url, body, APP, headers=headers)
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
     assert elapsed < 2
 

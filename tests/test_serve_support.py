@@ -111,6 +111,21 @@ def wait_until_idle(
         time.sleep(0.05)
 
 
+def leave_a_stream_midway(
+    url: str, body: dict, app_name: str, deployment: str = "LLMServer", headers=None
+) -> tuple[float, dict]:
+    """Stream a completion, check it runs after a few events, close the connection; then
+    wait_until_idle's (seconds taken, stats) with 2 s to free it."""
+    import httpx
+
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert server_stats(app_name, deployment)["num_running"] == 1
+    return wait_until_idle(app_name, timeout_s=2, deployment=deployment)
+
+
 def running_replicas(app_name: str, deployment: str = "LLMServer") -> int:
     from ray import serve
 
