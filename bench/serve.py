@@ -154,7 +154,8 @@ async def send_in_process(
     engine: Any, args: argparse.Namespace, prompt: Any, prompt_len: int, max_tokens: int
 ) -> RequestResult:
     """One request straight into the engine; a "chunk" is an output with new tokens, as an
-    SSE chunk is one engine step's tokens."""
+    SSE chunk is one engine step's tokens. A text prompt is tokenized here, inside the
+    timed span, as a Serve replica tokenizes before it hands ids to its engine."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -164,7 +165,8 @@ async def send_in_process(
     start = last = time.perf_counter()
     num_tokens = 0
     try:
-        async for output in engine.generate(prompt, params, f"bench-{next(_REQUEST_IDS)}"):
+        ids = engine.encode(prompt) if isinstance(prompt, str) else prompt
+        async for output in engine.generate(ids, params, f"bench-{next(_REQUEST_IDS)}"):
             n = len(output.outputs[0].token_ids)
             if n == num_tokens:
                 continue

@@ -16,6 +16,7 @@ cumulative output would cost a copy of every token so far on every step.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -166,10 +167,29 @@ class _EngineProcessCalls:
         return getattr(self.engine, name)
 
 
+def limit_cpu_threads(engine_args: dict) -> None:
+    """One intra-op CPU thread for a GPU engine, unless OMP_NUM_THREADS says otherwise.
+
+    Its CPU work is small tensor ops between kernel launches; torch's pool of one thread
+    per core only adds wake-ups and spinning next to them. Measured on an H200 (16 cores),
+    llama3-8b, an 8-token prompt: the step that launches the prefill took 26 ms with the
+    default pool and 22.6 ms with one thread. A replica of Ray Serve already runs with
+    OMP_NUM_THREADS=1 (Ray sets it from the replica's CPUs).
+    """
+    import torch
+
+    from engine.config import resolve_device
+
+    if "OMP_NUM_THREADS" not in os.environ and resolve_device(engine_args.get("device")) == "cuda":
+        torch.set_num_threads(1)
+
+
 def run_engine_process(engine_args: dict, conn: Any) -> None:
     """The engine process's main: build the engine, then serve the pipe until told to stop."""
     try:
         from engine.llm_engine import LLMEngine
+
+        limit_cpu_threads(engine_args)
 
         engine = LLMEngine.from_engine_args(**engine_args)
     except BaseException as e:

@@ -214,3 +214,30 @@ def test_output_deltas_rebuild_the_cumulative_outputs():
         (got,) = decoder.decode(encoder.encode([expected]))
         assert got == expected
     assert encoder._sent == {} and decoder._last == {}
+
+
+@pytest.mark.parametrize(
+    ("device", "omp", "expected"),
+    [("cuda", None, 1), ("cpu", None, 3), ("cuda", "2", 3)],
+)
+def test_a_gpu_engine_process_runs_one_cpu_thread_unless_told(device, omp, expected):
+    """A GPU engine's CPU work is launches between kernels; a torch thread pool only slows
+    them. A CPU engine keeps its threads, and OMP_NUM_THREADS, when set, wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    code = (
+        "import torch\n"
+        "from engine.core_process import limit_cpu_threads\n"
+        "torch.set_num_threads(3)\n"
+        f"limit_cpu_threads({{'device': {device!r}}})\n"
+        "print(torch.get_num_threads())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(result.stdout) == expected
