@@ -276,16 +276,19 @@ def _cancel(replies: Any) -> None:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """Closes its body generator however the response ends.
+    """Streams in the request's own task and closes its body generator however it ends.
 
-    When the client goes away while the generator waits at a `yield`, Starlette stops
-    iterating but leaves the generator open; its `finally` (abort downstream, release the
-    tenant's slot) would wait for the garbage collector.
+    Serve watches every request for its client's disconnect and cancels the request's
+    task when it comes (through its proxy and with direct ingress alike), so Starlette's
+    second watcher (a task group, with the stream in a task of its own, each request)
+    only delays the first chunk. When the client goes away while the generator waits at
+    a `yield`, its `finally` (abort downstream, release the tenant's slot) must not wait
+    for the garbage collector: close it here.
     """
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
         finally:
             await self.body_iterator.aclose()
 
