@@ -43,6 +43,7 @@ clean() {
     ray stop --force >/dev/null 2>&1
     pkill -9 -f "ray::" >/dev/null 2>&1
     pkill -9 -f "serve run" >/dev/null 2>&1
+    pkill -9 -f "bin/haproxy" >/dev/null 2>&1  # `ray stop` leaves direct ingress's HAProxy
     sleep 2
 }
 
