@@ -74,13 +74,10 @@ def graph_ms(fn, rep: int = 100) -> float:
     Short kernels timed by direct calls also count the host's launch work (wrapper,
     allocations, two launches) whenever it outlasts the queued work before them.
     """
-    from kernels.pdl import graph_launches
-
-    with graph_launches():
-        fn()  # compile outside the capture
+    fn()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     try:
-        with graph_launches(), torch.cuda.graph(graph):
+        with torch.cuda.graph(graph):
             fn()
     except RuntimeError as e:
         print(f"  (not capturable, timed by direct calls: {e})")

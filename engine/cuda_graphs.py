@@ -13,7 +13,6 @@ import bisect
 import torch
 
 from engine.forward_context import AttentionMetadata, forward_context
-from kernels.pdl import graph_launches
 
 MAX_CAPTURE_SIZE = 512
 """Larger decode batches run eagerly: their launches are a small share of the step."""
@@ -66,11 +65,11 @@ class DecodeCudaGraphs:
         # Largest first, so smaller graphs reuse the first one's memory pool.
         for bs in reversed(self.sizes):
             meta = self._meta(bs)
-            with graph_launches(), forward_context(meta):
+            with forward_context(meta):
                 self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up / autotune
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with graph_launches(), torch.cuda.graph(graph, pool=self.pool), forward_context(meta):
+            with torch.cuda.graph(graph, pool=self.pool), forward_context(meta):
                 self.output[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
             if self.pool is None:
                 self.pool = graph.pool()

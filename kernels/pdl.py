@@ -11,21 +11,12 @@ its first weight tile there (weights are never written).
 
 Kernels that are not Triton's (cuBLAS, NCCL, torch) launch as usual and wait in full.
 KVRAY_PDL=0 turns it off (for comparison runs).
-
-Only kernels launched for a CUDA graph use it (inside `graph_launches()`, around the
-capture and the eager run before it, which compiles the same kernel variants outside the
-capture). A launch with the PDL attribute costs the CPU twice a plain one (measured on an
-H200 host, Triton 3.6: 36.4 against 17.7 us), which a graph pays once at capture, but an
-eager step (every prefill) pays at each of its launches, and such a step is bound by its
-launches when its prompts are short.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Iterator
 
 import torch
 import triton
@@ -39,25 +30,11 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-_graph_launches = False
-
-
-@contextlib.contextmanager
-def graph_launches() -> Iterator[None]:
-    """Kernels launched inside use PDL where the GPU has it: wrap a graph's capture."""
-    global _graph_launches
-    before, _graph_launches = _graph_launches, True
-    try:
-        yield
-    finally:
-        _graph_launches = before
-
-
 def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
     """Launch options for a kernel on t's device: `kernel[grid](..., **pdl_launch(t))`.
     The launch attribute and the kernel's USE_PDL wait always go together: a kernel
     launched with PDL that did not wait would race the one before it."""
-    on = _graph_launches and t.is_cuda and _supported(t.device.index or 0)
+    on = t.is_cuda and _supported(t.device.index or 0)
     return {"USE_PDL": on, "launch_pdl": on}
 
 

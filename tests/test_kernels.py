@@ -673,20 +673,3 @@ def test_cuda_tensors_dispatch_to_triton_unless_forced_to_references(monkeypatch
     monkeypatch.setenv("KVRAY_TORCH_KERNELS", "1")
     assert not kernels.use_triton(batch["query"])
     assert torch.equal(kernels.paged_attention(**batch), run_ref(batch))
-
-
-@triton_test
-def test_pdl_only_for_kernels_launched_for_a_cuda_graph():
-    """PDL doubles a launch's CPU cost: eager steps launch plainly, graphs keep it."""
-    import os
-
-    from kernels.pdl import graph_launches, pdl_launch
-
-    x = torch.zeros(1, device=DEVICE)
-    assert pdl_launch(x) == {"USE_PDL": False, "launch_pdl": False}
-    with graph_launches():
-        on = pdl_launch(x)
-    hopper = HAS_CUDA and torch.cuda.get_device_capability()[0] >= 9
-    expected = hopper and os.environ.get("KVRAY_PDL", "1") != "0"
-    assert on == {"USE_PDL": expected, "launch_pdl": expected}
-    assert pdl_launch(x)["launch_pdl"] is False
