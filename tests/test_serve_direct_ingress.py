@@ -8,8 +8,13 @@ Ray runs with DIRECT_INGRESS_ENV for this module (tests/test_serve_support resta
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -100,3 +105,44 @@ def test_client_disconnect_mid_stream_frees_kv(served):
     url, name, deployment = served
     elapsed, stats = leave_a_stream_midway(url, {**LONG, "stream": True}, name, deployment)
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_haproxy_ends_with_the_process_that_started_it(tmp_path):
+    """`ray stop --force` kills Serve's HAProxy manager; its HAProxy must not stay behind
+    holding the HTTP port."""
+    fake = tmp_path / "haproxy"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    wrapper = DIRECT_INGRESS_ENV["RAY_SERVE_HAPROXY_BINARY_PATH"]
+    code = (
+        "import subprocess, time\n"
+        f"child = subprocess.Popen([{wrapper!r}, '-db'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "KVRAY_HAPROXY_BINARY": str(fake)},
+    )
+    pid = int(starter.stdout.readline())
+    deadline = time.monotonic() + 10
+    while b"sleep" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the wrapper never started its binary"
+        time.sleep(0.02)
+    starter.kill()
+    starter.wait()
+    deadline = time.monotonic() + 5
+    while _running(pid):
+        assert time.monotonic() < deadline, "HAProxy outlived the process that started it"
+        time.sleep(0.05)
