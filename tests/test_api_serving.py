@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -304,3 +305,48 @@ def test_models_lists_the_served_model(tokenizer):
     models = serving.models().model_dump()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == ["scripted"]
+
+
+def test_long_prompts_tokenize_while_the_event_loop_serves_others(tokenizer, monkeypatch):
+    """Tokenizing a long prompt (completion or chat) leaves the event loop free: another
+    coroutine runs meanwhile. Each blocking tokenizer below returns only after it has."""
+    loop_ran = threading.Event()
+
+    def after_the_loop_ran(ids):
+        assert loop_ran.wait(timeout=10), "the event loop was blocked during tokenization"
+        return ids
+
+    class SlowTokenizing(ScriptedEngine):
+        def encode(self, prompt: str) -> list[int]:
+            return after_the_loop_ran(super().encode("Count:"))
+
+    monkeypatch.setattr(
+        "engine.api.serving.apply_chat_template",
+        lambda tok, messages, add: after_the_loop_ran(
+            tok.encode("Count", add_special_tokens=False)
+        ),
+    )
+    serving = OpenAIServing(SlowTokenizing(tokenizer))
+    long_text = "word " * 1000
+
+    async def run(create, request):
+        loop_ran.clear()
+
+        async def other_request():
+            await asyncio.sleep(0.01)
+            loop_ran.set()
+
+        other = asyncio.create_task(other_request())
+        response = await create(request)
+        await other
+        return response
+
+    completion = asyncio.run(
+        run(serving.create_completion, _completion(prompt=long_text, max_tokens=2))
+    )
+    assert completion.usage.prompt_tokens == len(
+        tokenizer.encode("Count:", add_special_tokens=False)
+    )
+    chat_request = _chat(messages=[{"role": "user", "content": long_text}], max_tokens=2)
+    chat = asyncio.run(run(serving.create_chat_completion, chat_request))
+    assert chat.usage.prompt_tokens == len(tokenizer.encode("Count", add_special_tokens=False))
