@@ -39,9 +39,11 @@ def paged_attention(
     max_query_len,
     max_seq_len,
     num_decodes=0,
+    out=None,
 ):
     """num_decodes: how many leading requests have one query token (a GPU batch splits them
-    off to the decode kernel); the reference does not need it."""
+    off to the decode kernel); the reference does not need it. out: write the result there
+    (a contiguous tensor like query) rather than in a new tensor."""
     args = (
         query,
         kv_cache,
@@ -55,8 +57,8 @@ def paged_attention(
     if use_triton(query):
         from kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(*args, num_decodes=num_decodes)
-    return paged_attention_ref(*args)
+        return paged_attention_triton(*args, num_decodes=num_decodes, out=out)
+    return paged_attention_ref(*args, out=out)
 
 
 def rms_norm(x, weight, eps):

@@ -36,12 +36,14 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of query [T, Hq, D] over paged context; returns [T, Hq, D]."""
+    """Causal attention of query [T, Hq, D] over paged context; returns [T, Hq, D], in
+    `out` when given (rows that no request owns are left as they are)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):

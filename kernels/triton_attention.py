@@ -467,6 +467,7 @@ def paged_attention_triton(
     *,
     num_decodes: int = 0,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over paged context; returns [T, Hq, D].
 
@@ -475,12 +476,14 @@ def paged_attention_triton(
     also holds longer queries they take the decode kernel, and the prefill kernel's grid
     covers only the rest (its programs for query tiles past a request's length would
     otherwise be launched for every decode, and its query tiles are mostly empty rows
-    for them). num_splits overrides the decode partition count (benchmarks).
+    for them). num_splits overrides the decode partition count (benchmarks). `out`: a
+    contiguous [T, Hq, D] tensor to write into instead of a new one; rows that no request
+    owns are left as they are.
     """
     _check_attention_args(query, kv_cache, query_start_loc, seq_lens, block_tables)
     num_tokens = query.shape[0]
     num_seqs = seq_lens.shape[0]
-    out = torch.empty_like(query)
+    out = _output(query, out)
     if num_tokens == 0 or num_seqs == 0:
         return out
     args = _KernelArgs(query, kv_cache, out, scale)
@@ -501,6 +504,14 @@ def paged_attention_triton(
     else:
         num_decodes = 0
     _launch_prefill(args, query_start_loc, seq_lens, block_tables, max_query_len, num_decodes)
+    return out
+
+
+def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype, "out must be like query"
+    assert out.is_contiguous(), "out must be contiguous"
     return out
 
 
