@@ -21,7 +21,13 @@ from pydantic import (
     model_validator,
 )
 
-from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 class TenantConfig(BaseModel):
@@ -137,6 +143,8 @@ def _engine_fields() -> dict[str, Any]:
     fields["policy"] = (Literal["fcfs", "priority"], Field(default="priority"))
     fields["device"] = (Literal["cpu", "cuda"] | None, Field(default=None))
     fields["enforce_eager"] = (bool, Field(default=False))
+    info = EngineConfig.model_fields["prefill_cuda_graph_tokens"]
+    fields["prefill_cuda_graph_tokens"] = (info.annotation, info)
     return fields
 
 

@@ -84,6 +84,15 @@ class EngineConfig(_Frozen):
     device: Literal["cpu", "cuda"]
     enforce_eager: bool = False
     """Turn CUDA graphs off."""
+    prefill_cuda_graph_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="steps with prefills of up to this many tokens replay CUDA graphs split "
+        "at attention; 0: eager",
+    )
+    """Steps with prefills of up to this many tokens replay CUDA graphs split at attention
+    (engine/piecewise_graphs.py); 0: they run eagerly. Decode-only steps always replay
+    whole-forward graphs unless enforce_eager."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -113,7 +122,7 @@ class EngineConfig(_Frozen):
             SchedulerConfig: set(SchedulerConfig.model_fields),
             ParallelConfig: set(ParallelConfig.model_fields),
         }
-        known = set().union(*fields.values()) | {"device", "enforce_eager"}
+        known = set().union(*fields.values()) | set(RUNNER_ARGS)
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
@@ -152,11 +161,14 @@ class EngineConfig(_Frozen):
                 **{k: v for k, v in engine_args.items() if k in fields[ParallelConfig]}
             ),
             device=device,
-            enforce_eager=engine_args.get("enforce_eager", False),
+            **{k: engine_args[k] for k in RUNNER_ARGS if k in engine_args and k != "device"},
         )
 
 
 UsageContext = Literal["offline", "server"]
+
+RUNNER_ARGS = ("device", "enforce_eager", "prefill_cuda_graph_tokens")
+"""Engine arguments that are EngineConfig's own fields (the rest belong to its parts)."""
 
 
 def resolve_device(device: str | None) -> str:

@@ -2,13 +2,17 @@
 
 The model runner enters `forward_context(meta)` around `model(...)`; attention layers read
 it with `get_attention_metadata()`. Nesting is refused so a stale batch can never leak in.
+
+While piecewise CUDA graphs are captured (engine.piecewise_graphs), `attention_split(fn)`
+hands each attention layer's paged attention to `fn` instead of running it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,3 +52,25 @@ def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("no forward_context: attention ran outside ModelRunner")
     return _current
+
+
+AttentionSplit = Callable[[Any, torch.Tensor], torch.Tensor]
+"""(attention layer, query [T, Hq, D]) -> where the layer's output [T, Hq, D] will be."""
+
+_split: AttentionSplit | None = None
+
+
+@contextmanager
+def attention_split(fn: AttentionSplit) -> Iterator[None]:
+    global _split
+    if _split is not None:
+        raise RuntimeError("attention_split is already active")
+    _split = fn
+    try:
+        yield
+    finally:
+        _split = None
+
+
+def get_attention_split() -> AttentionSplit | None:
+    return _split

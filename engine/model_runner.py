@@ -20,12 +20,14 @@ from engine.distributed import (
     get_tp_size,
     recv_intermediate_tensors,
     send_intermediate_tensors,
+    sequence_parallel_enabled,
     tensor_model_parallel_broadcast,
 )
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.host_staging import HostToDevice
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.loader import ModelSource, load_model
+from engine.piecewise_graphs import PiecewiseCudaGraphs
 from engine.sampler import build_sampling_batch, finish_sampling, sample_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -88,6 +90,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self.piecewise_graphs: PiecewiseCudaGraphs | None = None
         self._prev_samples: torch.Tensor | None = None
         self._h2d = HostToDevice(device)
         self._prev_sample_rows: dict[str, int] = {}
@@ -225,6 +228,17 @@ class ModelRunner:
                 device=self.device,
             )
             self.cuda_graphs.capture()
+            max_tokens = min(self.config.prefill_cuda_graph_tokens, sched.max_num_batched_tokens)
+            if max_tokens > 0:
+                self.piecewise_graphs = PiecewiseCudaGraphs(
+                    self.model,
+                    max_tokens=max_tokens,
+                    block_size=self.block_size,
+                    hidden_size=self.hf_config.hidden_size,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                self.piecewise_graphs.capture()
 
     # -- one step -------------------------------------------------------------------------
 
@@ -348,6 +362,8 @@ class ModelRunner:
             len(out.num_scheduled_tokens), meta.max_query_len, meta.block_tables.shape[1]
         ):
             hidden = graphs.run(batch.input_ids, batch.positions, meta)
+        elif self._piecewise_can_run(out.total_num_scheduled_tokens):
+            hidden = self.piecewise_graphs.run(batch.input_ids, batch.positions, meta)
         else:
             intermediate = None
             if not self.is_first_stage:
@@ -401,6 +417,15 @@ class ModelRunner:
         if not self.is_driver:
             return PendingRunnerOutput.done(ModelRunnerOutput())
         return PendingRunnerOutput(batch.sampling_req_ids, sampled, raw_logprobs, sampling_batch)
+
+    def _piecewise_can_run(self, num_tokens: int) -> bool:
+        graphs = self.piecewise_graphs
+        # A sequence-parallel step splits rows across ranks, which the graphs do not.
+        return (
+            graphs is not None
+            and graphs.can_run(num_tokens)
+            and not sequence_parallel_enabled(num_tokens)
+        )
 
     def _count_pending_tokens(
         self, counts: torch.Tensor, states: list[CachedRequestState], num_pending: list[int]

@@ -50,7 +50,9 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def _run(model_dir: str, prompts, torch_kernels: bool, enforce_eager: bool, dtype: str):
+def _run(
+    model_dir: str, prompts, torch_kernels: bool, enforce_eager: bool, dtype: str, **engine_args
+):
     old = os.environ.get("KVRAY_TORCH_KERNELS")
     os.environ["KVRAY_TORCH_KERNELS"] = "1" if torch_kernels else "0"
     try:
@@ -61,10 +63,24 @@ def _run(model_dir: str, prompts, torch_kernels: bool, enforce_eager: bool, dtyp
             max_num_seqs=32,
             enforce_eager=enforce_eager,
             gpu_memory_utilization=0.3,
+            **engine_args,
         )
+        runner = llm.engine.executor.worker.runner
+        piecewise = runner.piecewise_graphs
+        if piecewise is not None:
+            assert set(piecewise.pieces) == set(piecewise.sizes), "a bucket was not captured"
+            runs, run = [], piecewise.run
+
+            def spy(input_ids, positions, meta):
+                runs.append(meta.max_query_len)
+                return run(input_ids, positions, meta)
+
+            piecewise.run = spy
         params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
         outputs = llm.generate(prompts, params)
         llm.engine.shutdown()
+        if piecewise is not None:
+            assert any(q > 1 for q in runs), "no step with a prefill replayed the graphs"
         return [o.outputs[0] for o in outputs]
     finally:
         if old is None:
@@ -108,3 +124,31 @@ def test_bf16_fast_path_matches_reference_up_to_ties(model_dir):
     fast = _run(model_dir, prompts, torch_kernels=False, enforce_eager=False, dtype="bfloat16")
     ref = _run(model_dir, prompts, torch_kernels=True, enforce_eager=True, dtype="bfloat16")
     assert _matched_steps(fast, ref, BF16_LOGPROB_TOL) >= len(prompts) * 4
+
+
+def test_piecewise_graphs_give_the_reference_tokens(model_dir):
+    """Steps with prefills (chunked at 128 tokens beside running decodes) replay graphs
+    split at attention; float32, as the first test of this file."""
+    prompts = _prompts()
+    chunked = dict(max_num_batched_tokens=128)
+    fast = _run(
+        model_dir,
+        prompts,
+        torch_kernels=False,
+        enforce_eager=False,
+        dtype="float32",
+        prefill_cuda_graph_tokens=128,
+        **chunked,
+    )
+    ref = _run(
+        model_dir, prompts, torch_kernels=True, enforce_eager=True, dtype="float32", **chunked
+    )
+    assert _matched_steps(fast, ref, tolerance=1e-2) >= 0.9 * len(prompts) * STEPS
+
+
+def test_piecewise_graphs_bf16_match_eager_steps(model_dir):
+    prompts = _prompts()
+    args = dict(dtype="bfloat16", torch_kernels=False, max_num_batched_tokens=256)
+    fast = _run(model_dir, prompts, enforce_eager=False, prefill_cuda_graph_tokens=256, **args)
+    eager = _run(model_dir, prompts, enforce_eager=True, **args)
+    assert _matched_steps(fast, eager, BF16_LOGPROB_TOL) >= len(prompts) * 4

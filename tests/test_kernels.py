@@ -343,6 +343,30 @@ def test_triton_paged_attention(kind, num_heads, num_kv_heads, head_dim, dtype):
         assert_matches(paged_attention_triton(**batch, num_decodes=leading_decodes(q_lens)), want)
 
 
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@triton_test
+def test_paged_attention_writes_only_owned_rows_of_a_given_output(kind):
+    """Piecewise CUDA graphs pad a step to a bucket: the query has rows past the last
+    request's, and the output buffer is shared; those rows must stay as they were."""
+    from kernels.triton_attention import paged_attention_triton
+
+    q_lens, ctx = scenario(kind, seed=3)
+    batch = make_paged_batch(q_lens, ctx, 8, 2, 64, 16, torch.float32, DEVICE)
+    n, pad = batch["query"].shape[0], 7
+    batch["query"] = torch.cat([batch["query"], torch.randn(pad, 8, 64, device=DEVICE)])
+    want = run_ref({**batch, "query": batch["query"][:n]})
+    for attend in (paged_attention_triton, paged_attention_ref, kernels.paged_attention):
+        out = torch.full_like(batch["query"], 7.0)
+        assert attend(**batch, out=out) is out
+        assert_matches(out[:n], want)
+        assert (out[n:] == 7.0).all(), f"{attend.__name__} wrote rows no request owns"
+    decodes = leading_decodes(q_lens)
+    out = torch.full_like(batch["query"], 7.0)
+    paged_attention_triton(**batch, num_decodes=decodes, out=out)
+    assert_matches(out[:n], want)
+    assert (out[n:] == 7.0).all()
+
+
 def leading_decodes(q_lens: list[int]) -> int:
     return next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
 

@@ -16,7 +16,13 @@ from cluster.deployments import build_openai_app, colocated_capacity, llm_server
 from cluster.tenants import TenantLimiter, TenantResolver
 from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV, node_env
 from engine.api.protocol import APIError
-from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.config import (
+    RUNNER_ARGS,
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from serve_app import build_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +50,7 @@ def test_every_engine_argument_is_an_app_key():
     engine_fields = set().union(
         *(cls.model_fields for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig))
     )
-    assert engine_fields | {"device", "enforce_eager"} == set(ENGINE_KEYS)
+    assert engine_fields | set(RUNNER_ARGS) == set(ENGINE_KEYS)
     config = load_app_config({"max_model_len": "256", "enable_prefix_caching": "false"})
     # Batch limits left out go unset: the engine sizes them for its GPU.
     assert config.engine_args() == {

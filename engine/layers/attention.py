@@ -7,7 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from engine.forward_context import AttentionMetadata, get_attention_metadata
+from engine.forward_context import (
+    AttentionMetadata,
+    get_attention_metadata,
+    get_attention_split,
+)
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -46,20 +50,16 @@ class Attention(nn.Module):
         """q [T, Hq*D], k and v [T, Hkv*D] (or already split into heads) -> [T, Hq*D].
 
         With `rotary`, q and k are rotated at `positions` first, in the same kernel that
-        stores the keys and values.
+        stores the keys and values. Under `attention_split` (a piecewise graph capture) the
+        paged attention itself is handed to the split instead of run.
         """
         meta = get_attention_metadata()
-        if self.sliding_window is not None and meta.max_seq_len > self.sliding_window:
-            raise ValueError(
-                f"a sequence of {meta.max_seq_len} tokens exceeds sliding_window="
-                f"{self.sliding_window}, which this attention does not implement; "
-                f"use max_model_len <= {self.sliding_window}"
-            )
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.kv_cache is None:
+            self._check_window(meta)
             if rotary is not None:
                 rotary(positions, q, k)
             out = _attend_new_tokens(q, k, v, meta, self.scale)
@@ -70,18 +70,38 @@ class Attention(nn.Module):
                 )
             else:
                 kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping)
-            out = kernels.paged_attention(
-                q,
-                self.kv_cache,
-                meta.query_start_loc,
-                meta.seq_lens,
-                meta.block_tables,
-                self.scale,
-                meta.max_query_len,
-                meta.max_seq_len,
-                meta.num_decodes,
-            )
+            split = get_attention_split()
+            if split is not None:
+                out = split(self, q)
+            else:
+                out = self.attend(q, meta)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def attend(
+        self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Paged attention of q [T, Hq, D], whose keys and values are already stored."""
+        self._check_window(meta)
+        return kernels.paged_attention(
+            q,
+            self.kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            self.scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+            meta.num_decodes,
+            out=out,
+        )
+
+    def _check_window(self, meta: AttentionMetadata) -> None:
+        if self.sliding_window is not None and meta.max_seq_len > self.sliding_window:
+            raise ValueError(
+                f"a sequence of {meta.max_seq_len} tokens exceeds sliding_window="
+                f"{self.sliding_window}, which this attention does not implement; "
+                f"use max_model_len <= {self.sliding_window}"
+            )
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -1,0 +1,115 @@
+"""Steps with prefills through the piecewise-graph path (engine/piecewise_graphs.py).
+
+On a CPU the path runs its pieces eagerly: the same static buffers, bucket padding and
+attention on the step's own metadata that a GPU replays between its graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.forward_context import AttentionMetadata, forward_context
+from engine.piecewise_graphs import PiecewiseCudaGraphs, capture_sizes
+from tests.test_llm_e2e import PROMPTS
+
+TOKEN_BUDGET = 64
+
+
+def _llm() -> LLM:
+    # A small token budget: prompts prefill in chunks beside running decodes.
+    return LLM(max_model_len=1024, max_num_batched_tokens=TOKEN_BUDGET, max_num_seqs=8)
+
+
+def test_steps_padded_to_a_bucket_give_the_tokens_of_unpadded_steps():
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = _llm()
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+
+    llm = _llm()
+    runner = llm.engine.executor.worker.runner
+    graphs = PiecewiseCudaGraphs(
+        runner.model,
+        max_tokens=TOKEN_BUDGET,
+        block_size=runner.block_size,
+        hidden_size=runner.hf_config.hidden_size,
+        dtype=runner.dtype,
+        device=runner.device,
+    )
+    steps = []
+    run = graphs.run
+
+    def spy(input_ids, positions, meta):
+        steps.append((input_ids.shape[0], meta.max_query_len, meta.num_decodes))
+        return run(input_ids, positions, meta)
+
+    graphs.run = spy
+    runner.piecewise_graphs = graphs
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+    assert got == expected
+    assert any(n not in graphs.sizes for n, _, _ in steps), "no step was padded"
+    assert any(q > 1 and d > 0 for _, q, d in steps), "no step mixed decodes and a prefill"
+    for ours, theirs in zip(runner.kv_caches, plain.engine.executor.worker.runner.kv_caches):
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-4)
+
+
+def test_rows_past_the_step_store_nothing_and_leave_its_rows_alone():
+    runner = _llm().engine.executor.worker.runner
+    graphs = PiecewiseCudaGraphs(
+        runner.model,
+        max_tokens=TOKEN_BUDGET,
+        block_size=runner.block_size,
+        hidden_size=runner.hf_config.hidden_size,
+        dtype=runner.dtype,
+        device=runner.device,
+    )
+    for cache in runner.kv_caches:
+        cache.zero_()
+    n, bs = 5, runner.block_size
+    # Leftovers of an earlier, larger step in the bucket's other rows: tokens, and slots
+    # in block 2, which this step's request does not own.
+    size = min(s for s in graphs.sizes if s > n)
+    graphs.input_ids[:size] = torch.randint(0, 1000, (size,))
+    graphs.positions[:size] = torch.arange(size)
+    graphs.slot_mapping[:size] = 2 * bs + torch.arange(size) % bs
+    input_ids = torch.randint(0, 1000, (n,))
+    positions = torch.arange(n)
+    meta = AttentionMetadata(
+        slot_mapping=bs + torch.arange(n),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.tensor([[1]], dtype=torch.int32),
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    with torch.inference_mode():
+        hidden = graphs.run(input_ids, positions, meta).clone()
+        stored = [cache[:, 1].clone() for cache in runner.kv_caches]
+        for cache in runner.kv_caches:
+            assert not cache[:, 2].any(), "a padding row stored into block 2"
+            assert cache[:, 1, :n].abs().sum() > 0
+            cache.zero_()
+        with forward_context(meta):
+            expected = runner.model(input_ids, positions)
+    torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-5)
+    for cache, before in zip(runner.kv_caches, stored):
+        torch.testing.assert_close(cache[:, 1], before, rtol=1e-4, atol=1e-5)
+
+
+def test_capture_sizes_bound_the_padding():
+    sizes = capture_sizes(2048)
+    assert sizes[0] == 16 and sizes[-1] == 2048
+    for n in range(1, 2049):
+        bucket = min(s for s in sizes if s >= n)
+        assert bucket - n < 64 and (n < 512 or bucket <= n * 1.125)
+    assert capture_sizes(100)[-1] == 100
+
+
+def test_prefill_cuda_graph_tokens_is_checked():
+    with pytest.raises(ValueError, match="prefill_cuda_graph_tokens"):
+        EngineConfig.create(device="cpu", prefill_cuda_graph_tokens=-1)
+    config = EngineConfig.create(device="cpu", prefill_cuda_graph_tokens=512)
+    assert config.prefill_cuda_graph_tokens == 512
