@@ -34,6 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(0: never; default: the engine's)",
     )
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--prefill-cuda-graph-tokens",
+        type=int,
+        default=None,
+        help="steps with prefills of up to this many tokens replay piecewise CUDA graphs",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--baseline", choices=["hf"], default=None)
     parser.add_argument("--record", action="store_true", help=f"append the result to {RESULTS}")
@@ -52,7 +58,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
     )
-    for key in ("max_num_seqs", "max_num_batched_tokens", "sequence_parallel_min_tokens"):
+    for key in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "sequence_parallel_min_tokens",
+        "prefill_cuda_graph_tokens",
+    ):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     if args.model_shape:

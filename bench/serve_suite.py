@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from bench import serve as serve_bench
+from cluster.app_config import ENGINE_KEYS
 
 # (label, seed, bench/serve.py arguments); --quick scales the prompt counts and lengths.
 SERVE_LOADS = [
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.skip_in_process:
         return
     engine_args = [f"{k}={v}" for k, v in engine_keys.items() if k not in ("model", "tokenizer")]
+    # The app's engine keys hold for the in-process engine too (its serving keys do not).
+    engine_args += [item for item in args.serve_arg if item.split("=", 1)[0] in ENGINE_KEYS]
     in_process = ["--in-process", args.model]
     for item in engine_args:
         in_process += ["--engine-arg", item]
