@@ -53,6 +53,20 @@ def test_tp2_sequence_parallel_equals_tp1_in_float32(tiny):
     assert got == want
 
 
+def test_tp2_piecewise_graphs_equal_tp1_in_float32(tiny):
+    # Prefill steps (the 50-token prompt in chunks of 16) replay graphs whose all-reduces
+    # run on both ranks between eager attention calls.
+    want = _tokens(tiny, dtype="float32")
+    got = _tokens(
+        tiny,
+        dtype="float32",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=16,
+        prefill_cuda_graph_tokens=16,
+    )
+    assert got == want
+
+
 def _peer_all_reduce_rank(rank: int, port: int) -> None:
     import torch.distributed as dist
 
