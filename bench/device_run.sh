@@ -19,6 +19,7 @@
 #          kernel table
 # latency: bench.suite batch-1 decode for llama3-8b
 # qwen3:   bench.suite for qwen3-0.6b (batch-1 decode, mixed lengths)
+# qwen3-piecewise: the same with prefill_cuda_graph_tokens=4096
 # llama3:  bench.suite for llama3-8b, every workload, without the HF baseline
 # allreduce: all-reduce latency in CUDA graphs, NCCL against peer memory (two GPUs)
 # tpprofile: TP=2 llama3-8b batch-1 decode, both ranks' kernel tables (steps 100..109)
@@ -77,6 +78,8 @@ for s in "$@"; do
     latency) stage latency-llama3-8b 120 python -m bench.suite --model-shape llama3-8b \
         --only latency --record ;;
     qwen3) qwen3_suite ;;
+    qwen3-piecewise) stage offline-qwen3-0.6b-piecewise 180 python -m bench.suite \
+        --model-shape qwen3-0.6b --prefill-cuda-graph-tokens 4096 --record ;;
     llama3) stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --record ;;
     allreduce)
         stage allreduce-isolated 120 python -m bench.allreduce
