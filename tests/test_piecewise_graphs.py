@@ -6,12 +6,15 @@ attention on the step's own metadata that a GPU replays between its graphs.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.forward_context import AttentionMetadata, forward_context
+from engine.forward_context import AttentionMetadata, forward_context, get_attention_split
+from engine.layers.attention import attention_layers
 from engine.piecewise_graphs import PiecewiseCudaGraphs, capture_sizes
 from tests.test_llm_e2e import PROMPTS
 
@@ -113,3 +116,81 @@ def test_prefill_cuda_graph_tokens_is_checked():
         EngineConfig.create(device="cpu", prefill_cuda_graph_tokens=-1)
     config = EngineConfig.create(device="cpu", prefill_cuda_graph_tokens=512)
     assert config.prefill_cuda_graph_tokens == 512
+
+
+class _RecordingGraph:
+    """Stands in for torch.cuda.CUDAGraph on a CPU: records the capture calls and replays."""
+
+    log: list = []
+
+    def capture_begin(self, pool=None):
+        assert pool is not None, "every piece must share the pool"
+        _RecordingGraph.log.append(("begin", self))
+
+    def capture_end(self):
+        assert _RecordingGraph.log[-1][0] != "end", "a capture ended twice"
+        _RecordingGraph.log.append(("end", self))
+
+    def replay(self):
+        _RecordingGraph.log.append(("replay", self))
+
+
+def test_capture_splits_at_every_attention_and_replay_interleaves_them(monkeypatch):
+    """The capture and replay control flow, with CUDA's graph calls recorded on a CPU."""
+    runner = _llm().engine.executor.worker.runner
+    graphs = PiecewiseCudaGraphs(
+        runner.model,
+        max_tokens=32,
+        block_size=runner.block_size,
+        hidden_size=runner.hf_config.hidden_size,
+        dtype=runner.dtype,
+        device=runner.device,
+    )
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordingGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    _RecordingGraph.log = []
+    graphs.capture()
+
+    layers = attention_layers(runner.model)
+    assert sorted(graphs.pieces) == graphs.sizes == [16, 32]
+    for size in graphs.sizes:
+        assert graphs.attention_calls[size] == layers
+        assert len(graphs.pieces[size]) == len(layers) + 1
+    kinds = [kind for kind, _ in _RecordingGraph.log]
+    assert kinds == ["begin", "end"] * (len(layers) + 1) * len(graphs.sizes)
+    assert get_attention_split() is None
+
+    _RecordingGraph.log = []
+    attended = []
+
+    def logging_attend(layer, attend):
+        def wrapped(q, meta, out=None):
+            attended.append((q.shape[0], out is not None))
+            _RecordingGraph.log.append(("attend", layer))
+            return attend(q, meta, out=out)
+
+        return wrapped
+
+    for layer in layers:
+        monkeypatch.setattr(layer, "attend", logging_attend(layer, layer.attend))
+    n = 20
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n) + runner.block_size,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2]], dtype=torch.int32),
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    with torch.inference_mode():
+        graphs.run(torch.randint(0, 1000, (n,)), torch.arange(n), meta)
+    pieces = graphs.pieces[32]
+    expected = [("replay", pieces[0])]
+    for layer, piece in zip(layers, pieces[1:]):
+        expected += [("attend", layer), ("replay", piece)]
+    assert _RecordingGraph.log == expected
+    assert attended == [(32, True)] * len(layers)
+    assert (graphs.slot_mapping[n:32] == -1).all()
