@@ -4,8 +4,8 @@
 
 Starts `serve run serve_app:build_app` with the engine keys given, waits for /health, and
 runs bench/serve.py (random 1024 in / 128 out, EOS ignored, streaming) at concurrency 1,
-Poisson 16 req/s over 500 prompts, 500 prompts at once, and concurrency 32. Then it stops
-Serve and runs concurrency 1 and 32 against an engine in this process with the same seeds
+Poisson 16 req/s over 500 prompts, 500 prompts at once, and concurrency 32 (twice). Then it
+stops Serve and runs concurrency 1 and 32 against an engine in this process with the same seeds
 (same prompts): the Serve + HTTP path's cost is the difference. Each run has its own seed
 (a repeated seed repeats the prompts and rides the prefix cache). One JSON line per run.
 
@@ -37,8 +37,12 @@ SERVE_LOADS = [
     ("poisson16", 21, ["--num-prompts", "500", "--request-rate", "16"]),
     ("burst500", 22, ["--num-prompts", "500"]),
     ("concurrency32", 31, ["--num-prompts", "200", "--max-concurrency", "32"]),
+    # Closed-loop requests of one length come back in waves, and where an arrival falls
+    # against the engine's steps moves its first token by a step: a second run shows how
+    # far two runs of the same load part.
+    ("concurrency32-repeat", 32, ["--num-prompts", "200", "--max-concurrency", "32"]),
 ]
-IN_PROCESS_LOADS = ["concurrency1", "concurrency32"]
+IN_PROCESS_LOADS = ["concurrency1", "concurrency32", "concurrency32-repeat"]
 SERVE_URL = "http://127.0.0.1:8000"  # `serve run` of an import path listens here
 
 
