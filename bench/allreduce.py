@@ -77,7 +77,7 @@ def large_rows(device: torch.device) -> list[dict]:
 
     from engine import distributed as kd
 
-    group = kd._tp_group()
+    group = kd.get_tp_group()
     buffer = symm_mem.empty(max(LARGE_SIZES), dtype=torch.uint8, device=device)
     symm_mem.rendezvous(buffer, group.group_name)
     rows = []
@@ -131,15 +131,16 @@ def run_rank(
         row = {"bytes": nbytes}
 
         def nccl(t):
-            dist.all_reduce(t, group=kd._tp_group())
+            dist.all_reduce(t, group=kd.get_tp_group())
             return t
 
         row["nccl_us"] = round(time_in_graph(nccl, x.clone()), 2)
         if symmetric:
+            peer = kd.get_symmetric_all_reduce()
             expected = nccl(x.clone())
-            got = kd._symmetric.all_reduce(x.clone())
+            got = peer.all_reduce(x.clone())
             row["max_abs_diff"] = float((got.float() - expected.float()).abs().max())
-            row["peer_us"] = round(time_in_graph(kd._symmetric.all_reduce, x.clone()), 2)
+            row["peer_us"] = round(time_in_graph(peer.all_reduce, x.clone()), 2)
         rows.append(row)
     if rank == 0:
         results.put(

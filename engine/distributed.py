@@ -374,6 +374,16 @@ def _pp_group() -> dist.ProcessGroup:
     return _state.pp_group
 
 
+def get_tp_group() -> dist.ProcessGroup:
+    """This rank's tensor-parallel process group (after init_distributed)."""
+    return _tp_group()
+
+
+def get_symmetric_all_reduce() -> SymmetricAllReduce | None:
+    """The peer-memory all-reduce, when init_symmetric_all_reduce set one up."""
+    return _symmetric
+
+
 def _tp_group() -> dist.ProcessGroup:
     if _state.tp_group is None:
         raise RuntimeError(

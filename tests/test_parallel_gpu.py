@@ -82,8 +82,8 @@ def _peer_all_reduce_rank(rank: int, port: int) -> None:
                 torch.manual_seed(1000 * rank + numel)
                 x = torch.randn(numel, dtype=dtype, device=device)
                 want = x.clone()
-                dist.all_reduce(want, group=kd._tp_group())
-                assert kd._symmetric.fits(x)
+                dist.all_reduce(want, group=kd.get_tp_group())
+                assert kd.get_symmetric_all_reduce().fits(x)
                 got = kd.tensor_model_parallel_all_reduce(x.clone())
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
         # Captured in a CUDA graph and replayed on new data, as decode steps run.
@@ -99,7 +99,7 @@ def _peer_all_reduce_rank(rank: int, port: int) -> None:
             assert torch.equal(y, torch.full_like(x, 1 + 2 * step))
         # Too large or float16: NCCL, same sums.
         big = torch.ones((1 << 20) // 2 + 8, dtype=torch.bfloat16, device=device)
-        assert not kd._symmetric.fits(big)
+        assert not kd.get_symmetric_all_reduce().fits(big)
         assert torch.equal(kd.tensor_model_parallel_all_reduce(big), torch.full_like(big, 2))
     finally:
         kd.destroy_distributed()
