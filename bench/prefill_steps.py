@@ -5,7 +5,9 @@ python -m bench.prefill_steps --model-shape llama3-8b --prefill-cuda-graph-token
 For each prompt length: the time to the first token of one prompt arriving alone, and of
 one arriving while --running requests decode (a Poisson 16 req/s load of 1024/128 keeps
 about that many running), with the longest gap between two steps' outputs meanwhile (what
-the running requests see as their inter-token latency). The engine captures the graphs
+the running requests see as their inter-token latency), and the host time that launching
+the step with the prompt took (the runner's call, which returns once the step's kernels
+are queued: what a slow host stretches). The engine captures the graphs
 once; the two modes alternate arrival by arrival (the runner's graphs set aside and put
 back), so both see the same machine. Medians over --repeats arrivals each.
 """
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     graphs = runner.piecewise_graphs
     if graphs is None:
         raise SystemExit("the engine captured no piecewise graphs (a CPU, or enforce_eager)")
+    launches = _record_prefill_launches(runner)
     vocab = engine.vocab_size
     figures: dict[str, dict] = {}
     for length in args.input_lens:
@@ -48,12 +51,15 @@ def main(argv: list[str] | None = None) -> dict:
                 runner.piecewise_graphs = graphs if mode == "graphs" else None
                 seed = args.seed + 1000 * length + 10 * i + (mode == "eager")
                 prompt = random_prompts(1, length, vocab, seed)[0]
+                launches.clear()
                 alone = _first_token_ms(engine, prompt, [])
+                launch_ms = max(launches)
                 running = random_prompts(args.running, 64, vocab, seed + 5)
                 busy, gap = _first_token_ms(engine, prompt[::-1], running)
                 if i:
                     got = results[mode]
                     got.setdefault("ttft_alone_ms", []).append(alone[0])
+                    got.setdefault("launch_alone_ms", []).append(launch_ms)
                     got.setdefault("ttft_beside_decodes_ms", []).append(busy)
                     got.setdefault("longest_step_ms", []).append(gap)
         runner.piecewise_graphs = graphs
@@ -76,6 +82,22 @@ def main(argv: list[str] | None = None) -> dict:
     }
     emit(result, args.record)
     return result
+
+
+def _record_prefill_launches(runner) -> list[float]:
+    """Host ms of each runner call that launched a step with a prefill, appended as they run."""
+    launches: list[float] = []
+    launch = runner.execute_model_async
+
+    def timed(out):
+        start = time.perf_counter()
+        pending = launch(out)
+        if any(n > 1 for n in out.num_scheduled_tokens.values()):
+            launches.append((time.perf_counter() - start) * 1e3)
+        return pending
+
+    runner.execute_model_async = timed
+    return launches
 
 
 def _first_token_ms(engine, prompt: list[int], running: list[list[int]]):
