@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ({"tensor_parallel": 2}, "tensor_parallel"),
         ({"max_replicas": 0}, "max_replicas"),
+        ({"prefill_cuda_graph_tokens": "-5"}, "prefill_cuda_graph_tokens"),
         ({"min_replicas": 2}, "max_replicas"),
         ({"min_replicas": 1, "max_replicas": 2, "initial_replicas": 3}, "initial_replicas"),
         ({"block_size": "big"}, "block_size"),
