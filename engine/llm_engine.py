@@ -157,6 +157,9 @@ class LLMEngine:
         else:
             prompt_text, prompt_ids = None, list(prompt)
         self._check_prompt(prompt_ids)
+        bad = [t for t in sampling_params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {self.vocab_size})")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         parent = _ParentRequest(
             request_id,

@@ -50,6 +50,8 @@ class SamplingBatch:
     """[B, V] bool, tokens in the prompt (only the repetition penalty reads it)."""
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     """(rows, token ids) blocked because the row is still below min_tokens."""
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids, float32 values) added to the logits (SamplingParams.logit_bias)."""
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     """Row -> the request's own generator, for seeded random rows."""
     num_logprobs: list[int | None] = field(default_factory=list)
@@ -142,6 +144,14 @@ def build_sampling_batch(
             _tensor(rows, torch.int64, device),
             _tensor(cols, torch.int64, device),
         )
+    biased = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    if biased:
+        bias_rows, tokens, values = zip(*biased, strict=True)
+        batch.logit_bias = (
+            _tensor(list(bias_rows), torch.int64, device),
+            _tensor(list(tokens), torch.int64, device),
+            _tensor(list(values), torch.float32, device),
+        )
     return batch
 
 
@@ -180,6 +190,9 @@ def sample_on_device(
     logits = logits[:, : batch.vocab_size].to(torch.float32, copy=True)
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
 
+    if batch.logit_bias is not None:
+        rows, tokens, values = batch.logit_bias
+        logits.index_put_((rows, tokens), values, accumulate=True)
     if batch.min_tokens_mask is not None:
         logits[batch.min_tokens_mask] = float("-inf")
     if batch.output_token_counts is not None:
@@ -208,13 +221,14 @@ def sample_on_device(
 
 
 def _logits_used_as_is(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-    """On a GPU, with no logprobs to report and nothing (min_tokens, penalties) to change in
-    the logits before sampling: the Triton passes below can read them directly."""
+    """On a GPU, with no logprobs to report and nothing (min_tokens, penalties, logit_bias)
+    to change in the logits before sampling: the Triton passes below can read them directly."""
     return (
         use_triton(logits)
         and batch.max_num_logprobs is None
         and batch.min_tokens_mask is None
         and batch.output_token_counts is None
+        and batch.logit_bias is None
     )
 
 

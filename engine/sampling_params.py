@@ -55,6 +55,9 @@ class SamplingParams:
     """Top-N logprobs to return for each generated token (0: only the sampled token's)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's
+    logit_bias); logprobs still report the model's own distribution."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -100,6 +103,7 @@ class SamplingParams:
         self.include_stop_str_in_output = _bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        self.logit_bias = _logit_bias(self.logit_bias)
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
@@ -179,3 +183,25 @@ def _token_ids(name: str, ids: object) -> list[int]:
     if not isinstance(ids, list | tuple):
         raise ValueError(f"{name} must be a list of int, got {type(ids).__name__}")
     return [_int(name, i, lo=0) for i in ids]
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(
+            f"logit_bias must be a dict of token id -> number, got {type(bias).__name__}"
+        )
+    checked = {}
+    for token, value in bias.items():
+        token = _int("logit_bias token id", token, lo=0)
+        value = _float("logit_bias value", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias values must be in [-100, 100], got {value:g} for token {token}"
+            )
+        checked[token] = value
+    return checked or None

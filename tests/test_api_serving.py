@@ -228,6 +228,9 @@ def test_n_and_several_prompts_number_the_choices(tokenizer):
         ({"model": "gpt-17"}, 404, "model"),
         ({"echo": True}, 400, "echo"),
         ({"seed": 2**70}, 400, "seed"),
+        ({"logit_bias": {"seven": 1}}, 400, "logit_bias"),
+        ({"logit_bias": {"7": 101}}, 400, "logit_bias"),
+        ({"logit_bias": {"-7": 1}}, 400, "logit_bias"),
     ],
 )
 def test_completion_input_errors(tokenizer, fields, status, param):
@@ -251,6 +254,13 @@ def test_chat_input_errors(tokenizer):
         with pytest.raises(APIError) as info:
             asyncio.run(serving.create_chat_completion(request))
         assert info.value.status_code == 400 and info.value.param == param, info.value.message
+
+
+def test_logit_bias_reaches_the_engine_by_token_id(tokenizer):
+    serving, engine = _serving(tokenizer)
+    asyncio.run(serving.create_completion(_completion(logit_bias={"7": 5, "12": -100.0})))
+    asyncio.run(serving.create_chat_completion(_chat(logit_bias={"3": 1.5}, max_tokens=2)))
+    assert [call["params"].logit_bias for call in engine.calls] == [{7: 5.0, 12: -100.0}, {3: 1.5}]
 
 
 def test_max_tokens_defaults_fit_the_context(tokenizer):

@@ -310,3 +310,15 @@ def test_warm_up_fits_a_short_max_model_len():
     engine = LLM(max_model_len=20).engine
     engine.warm_up()
     assert not engine.has_unfinished_requests()
+
+
+def test_logit_bias_steers_generation_and_refuses_ids_outside_the_vocabulary():
+    llm = LLM(max_model_len=256)
+    token = 1234
+    params = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={token: 100})
+    for out in llm.generate(PROMPTS[:2], params):
+        assert out.outputs[0].token_ids == [token] * 5
+    vocab = llm.engine.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is out of range"):
+        llm.generate(PROMPTS[:1], SamplingParams(logit_bias={vocab: 1.0}))
+    assert not llm.engine.has_unfinished_requests()

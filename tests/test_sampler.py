@@ -329,3 +329,44 @@ def test_cuda_plain_temperature_batches_take_one_pass_and_keep_greedy_rows(monke
     batch = build_sampling_batch(params, [[1]] * 3, [[]] * 3, gens, EOS, V, "cuda")
     ids = sample(logits, batch).token_ids
     assert not calls and ids[0] == int(logits[0].argmax()) and ids[1] == 7
+
+
+def test_logit_bias_shifts_each_rows_own_tokens_before_sampling():
+    logits = torch.randn(3, V, generator=seeded(12))
+    top = logits.argmax(-1).tolist()
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100}),  # forces 7
+        SamplingParams(temperature=0, logit_bias={top[1]: -100}),  # bans its argmax
+        SamplingParams(temperature=0, logprobs=1),  # no bias of its own
+    ]
+    result = run(logits, params)
+    second = logits[1].clone()
+    second[top[1]] -= 100
+    assert result.token_ids == [7, int(second.argmax()), top[2]]
+    # A random row follows the biased distribution too: all its mass on the boosted token.
+    forced = SamplingParams(temperature=1.0, seed=3, logit_bias={9: 100})
+    assert run(logits[:1], [forced], generators=[seeded(3)]).token_ids == [9]
+
+
+def test_logit_bias_leaves_the_reported_logprobs_the_models():
+    logits = torch.randn(1, V, generator=seeded(13))
+    params = SamplingParams(temperature=0, logprobs=0, logit_bias={4: 100})
+    result = run(logits, [params])
+    assert result.token_ids == [4]
+    want = logits[0].log_softmax(-1)[4].item()
+    assert math.isclose(result.logprobs[0].logprob, want, rel_tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_batches_with_a_logit_bias_skip_the_triton_passes(temperature):
+    # The Triton argmax and one-pass sampler read the logits as they are; a bias must not
+    # be lost on their way.
+    logits = torch.randn(2, V, generator=seeded(14)).cuda()
+    params = [
+        SamplingParams(temperature=temperature, logit_bias={7: 100}),
+        SamplingParams(temperature=0),
+    ]
+    batch = build_sampling_batch(params, [[1]] * 2, [[]] * 2, [None] * 2, EOS, V, "cuda")
+    assert sample(logits, batch).token_ids == [7, int(logits[1].argmax())]

@@ -91,6 +91,12 @@ def test_survives_pickling():
         ({"output_kind": 1}, "output_kind"),
         ({"output_kind": "final"}, "output_kind"),
         ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"7": 1.0}}, "logit_bias"),
+        ({"logit_bias": {7: 100.5}}, "logit_bias"),
+        ({"logit_bias": {7: float("inf")}}, "logit_bias"),
+        ({"logit_bias": {7: "up"}}, "logit_bias"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(kwargs, field):

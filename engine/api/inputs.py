@@ -59,6 +59,7 @@ def to_sampling_params(
         "seed": request.seed,
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
+        "logit_bias": _logit_bias(request.logit_bias),
     }
     try:
         return SamplingParams(
@@ -73,6 +74,20 @@ def to_sampling_params(
     except ValueError as e:
         # SamplingParams names the field first: "temperature must be >= 0, got -1".
         raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    by_id = {}
+    for token, value in bias.items():
+        try:
+            by_id[int(token)] = value
+        except ValueError:
+            raise APIError(
+                f"logit_bias keys must be token ids, got {token!r}", param="logit_bias"
+            ) from None
+    return by_id
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:

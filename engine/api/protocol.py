@@ -138,6 +138,8 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's: token ids (as JSON object keys) -> a bias in [-100, 100]."""
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
