@@ -23,6 +23,7 @@ from typing import Any
 from engine.core_loop import AbortOp, AddOp, CallOp, CoreLoop, Op, Results
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class AsyncEngine:
             return self.engine.encode(prompt)
         if self._tokenizer is None:
             raise ValueError("this model has no tokenizer: pass the prompt as token ids")
-        return self._tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_text(self._tokenizer, prompt)
 
     @property
     def max_model_len(self) -> int:

@@ -21,7 +21,12 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from engine.tokenizer import (
+    IncrementalDetokenizer,
+    apply_chat_template,
+    encode_text,
+    load_tokenizer,
+)
 
 
 @dataclass
@@ -138,7 +143,7 @@ class LLMEngine:
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass the prompt as token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_text(self.tokenizer, prompt)
 
     def add_request(
         self,

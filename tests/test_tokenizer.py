@@ -4,7 +4,12 @@ from types import SimpleNamespace
 import pytest
 
 from engine.bundled import bundled_model_path
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from engine.tokenizer import (
+    IncrementalDetokenizer,
+    apply_chat_template,
+    encode_text,
+    load_tokenizer,
+)
 
 CHINESE = (
     "人工智能是计算机科学的一个分支，它企图了解智能的实质，"
@@ -204,3 +209,35 @@ def test_missing_tokenizer_source_names_the_path(tmp_path):
         load_tokenizer(missing)
     with pytest.raises(FileNotFoundError, match="model.gguf"):
         load_tokenizer(tmp_path, gguf_file="model.gguf")
+
+
+ENCODE_TEXTS = [
+    "The capital of France is",
+    "  leading and trailing spaces  ",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    CHINESE,
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "tabs\tand\r\nnewlines\n\n\nemoji 🚀✨ and accents éàü",
+    "",
+]
+
+
+def test_encode_text_gives_the_hf_encode_ids(tokenizer, tmp_path):
+    from bench.word_tokenizer import write_word_tokenizer
+
+    words = load_tokenizer(write_word_tokenizer(tmp_path, vocab_size=1000))
+    cases = [(tokenizer, text) for text in ENCODE_TEXTS] + [
+        (words, " ".join(f"t{i}" for i in range(0, 1000, 7))),
+        (words, "t1  t2\nt999 unknown"),
+    ]
+    for tok, text in cases:
+        assert encode_text(tok, text) == tok.encode(text, add_special_tokens=False), text
+
+
+def test_encode_text_with_truncation_set_on_the_backend_still_encodes_everything():
+    loaded = load_tokenizer(bundled_model_path())
+    loaded.backend_tokenizer.enable_truncation(max_length=4)
+    text = ENCODE_TEXTS[2]
+    ids = encode_text(loaded, text)
+    assert len(ids) > 4
+    assert ids == loaded.encode(text, add_special_tokens=False)
