@@ -1,4 +1,4 @@
-"""Per-step host arrays to the device without making the host wait.
+"""Per-step host arrays to the device, and results back, without making the host wait.
 
 A copy from pageable host memory waits for everything queued before it on the stream, so
 with a step in flight it would stall the host until that step ends. Copies from pinned
@@ -41,3 +41,13 @@ class HostToDevice:
         staged = self._buffers[self._current][start:end].view(source.dtype).view(source.shape)
         staged.copy_(source)
         return staged.to(self.device, non_blocking=True)
+
+
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, queued on the stream without waiting for it
+    (synchronize the stream, or an event recorded after this, before reading). Host tensors
+    are returned as they are."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

@@ -24,7 +24,7 @@ from engine.distributed import (
     tensor_model_parallel_broadcast,
 )
 from engine.forward_context import AttentionMetadata, forward_context
-from engine.host_staging import HostToDevice
+from engine.host_staging import HostToDevice, to_host_async
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.loader import ModelSource, load_model
 from engine.piecewise_graphs import PiecewiseCudaGraphs
@@ -388,7 +388,7 @@ class ModelRunner:
         ]
         for state in states:
             state.num_pending += 1
-        sampled = sampling_batch = raw_logprobs = None
+        sampled = sampling_batch = logprobs = None
         if self.is_driver:
             params = [s.sampling_params for s in states]
             # Copies of every request's tokens cost O(length) a step: only when sampling
@@ -407,7 +407,7 @@ class ModelRunner:
             )
             if sampling_batch.output_token_counts is not None:
                 self._count_pending_tokens(sampling_batch.output_token_counts, states, num_pending)
-            sampled, raw_logprobs = sample_on_device(logits, sampling_batch)
+            sampled, logprobs = sample_on_device(logits, sampling_batch)
         elif self.shares_samples:
             sampled = torch.empty(len(states), dtype=torch.long, device=self.device)
         if self.shares_samples:
@@ -416,7 +416,7 @@ class ModelRunner:
         self._prev_sample_rows = {r: i for i, r in enumerate(batch.sampling_req_ids)}
         if not self.is_driver:
             return PendingRunnerOutput.done(ModelRunnerOutput())
-        return PendingRunnerOutput(batch.sampling_req_ids, sampled, raw_logprobs, sampling_batch)
+        return PendingRunnerOutput(batch.sampling_req_ids, sampled, logprobs, sampling_batch)
 
     def _piecewise_can_run(self, num_tokens: int) -> bool:
         graphs = self.piecewise_graphs
@@ -445,21 +445,19 @@ class ModelRunner:
 
 
 class PendingRunnerOutput:
-    """Sampled tokens of a launched step; the copy to the host starts at once."""
+    """Sampled tokens (and logprobs) of a launched step; the copy to the host starts at once,
+    so reading them waits for this step alone, not for steps launched after it."""
 
-    def __init__(self, req_ids, sampled, raw_logprobs, sampling_batch, output=None):
+    def __init__(self, req_ids, sampled, logprobs, sampling_batch, output=None):
         self._output = output
         if output is not None:
             return
         self._req_ids = req_ids
-        self._sampled = sampled
-        self._raw_logprobs = raw_logprobs
         self._batch = sampling_batch
-        self._host = sampled
+        self._sampled = to_host_async(sampled)
+        self._logprobs = None if logprobs is None else logprobs.to_host()
         self._event = None
-        if sampled.is_cuda and raw_logprobs is None:
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self._host.copy_(sampled, non_blocking=True)
+        if sampled.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -470,15 +468,11 @@ class PendingRunnerOutput:
     def result(self) -> ModelRunnerOutput:
         if self._output is not None:
             return self._output
-        if self._raw_logprobs is not None:
-            res = finish_sampling(self._sampled, self._raw_logprobs, self._batch)
-            token_ids, logprobs = res.token_ids, res.logprobs
-        else:
-            if self._event is not None:
-                self._event.synchronize()
-            token_ids, logprobs = self._host.tolist(), ()
-        output = ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, token_ids)))
-        for req_id, lp in zip(self._req_ids, logprobs):
+        if self._event is not None:
+            self._event.synchronize()
+        res = finish_sampling(self._sampled, self._logprobs, self._batch)
+        output = ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, res.token_ids)))
+        for req_id, lp in zip(self._req_ids, res.logprobs):
             if lp is not None:
                 output.logprobs[req_id] = lp
         self._output = output

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.host_staging import to_host_async
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kernels import use_triton
@@ -56,6 +57,28 @@ class SamplingBatch:
     """Row -> the request's own generator, for seeded random rows."""
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+
+
+@dataclass
+class LogprobTensors:
+    """Per row, on the device until `to_host`: the sampled token's logprob and rank (1 = the
+    most likely) and the top-N candidates, N the batch's largest request."""
+
+    sampled: torch.Tensor
+    """[B] float32."""
+    ranks: torch.Tensor
+    """[B] int64."""
+    top_logprobs: torch.Tensor
+    """[B, N] float32, most likely first."""
+    top_ids: torch.Tensor
+    """[B, N] int64."""
+
+    def to_host(self) -> LogprobTensors:
+        """Copies in pinned memory, started without waiting (sync the stream before reading)."""
+        return LogprobTensors(*(to_host_async(t) for t in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.sampled, self.ranks, self.top_logprobs, self.top_ids)
 
 
 @dataclass
@@ -157,22 +180,26 @@ def build_sampling_batch(
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
     """Sample one token per row of `logits` [B, V'] (V' >= vocab_size; padding is dropped)."""
-    sampled, raw_logprobs = sample_on_device(logits, batch)
-    return finish_sampling(sampled, raw_logprobs, batch)
+    sampled, logprobs = sample_on_device(logits, batch)
+    return finish_sampling(sampled, logprobs, batch)
 
 
 def finish_sampling(
-    sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch
+    sampled: torch.Tensor, logprobs: LogprobTensors | None, batch: SamplingBatch
 ) -> SamplerResult:
     """The host side of sampling: token ids (and logprobs) as Python values; syncs."""
     token_ids = sampled.tolist()
-    return SamplerResult(token_ids, _gather_logprobs(raw_logprobs, sampled, token_ids, batch))
+    return SamplerResult(token_ids, _token_logprobs(logprobs, token_ids, batch))
 
 
 def sample_on_device(
     logits: torch.Tensor, batch: SamplingBatch
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(sampled ids [B], raw logprobs [B, V] or None) without waiting for the device."""
+) -> tuple[torch.Tensor, LogprobTensors | None]:
+    """(sampled ids [B], their logprobs or None) without waiting for the device.
+
+    Logprobs are of the model's distribution (before penalties, biases, temperature and
+    filters), reduced to what the requests asked for before this returns: launched with
+    the step, they are ready when its tokens are."""
     if _one_pass_eligible(logits, batch):
         from kernels.triton_sampling import gumbel_sample_triton
 
@@ -217,7 +244,9 @@ def sample_on_device(
         if greedy_ids is not None:
             sampled = torch.where(batch.greedy, greedy_ids, sampled)
 
-    return sampled, raw_logprobs
+    if raw_logprobs is None:
+        return sampled, None
+    return sampled, _logprob_tensors(raw_logprobs, sampled, batch.max_num_logprobs)
 
 
 def _logits_used_as_is(logits: torch.Tensor, batch: SamplingBatch) -> bool:
@@ -322,21 +351,19 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div_(q).argmax(dim=-1)
 
 
-def _gather_logprobs(
-    logprobs: torch.Tensor | None,
-    sampled: torch.Tensor,
-    token_ids: list[int],
-    batch: SamplingBatch,
+def _logprob_tensors(logprobs: torch.Tensor, sampled: torch.Tensor, n: int) -> LogprobTensors:
+    sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(n, dim=-1)
+    return LogprobTensors(sampled_logprobs.squeeze(1), ranks, top_logprobs, top_ids)
+
+
+def _token_logprobs(
+    logprobs: LogprobTensors | None, token_ids: list[int], batch: SamplingBatch
 ) -> list[TokenLogprobs | None]:
     if logprobs is None:
         return [None] * len(batch.num_logprobs)
-    sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))
-    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
-    sampled_list = sampled_logprobs.squeeze(1).tolist()
-    ranks_list = ranks.tolist()
-    top_lp_list = top_logprobs.tolist()
-    top_ids_list = top_ids.tolist()
+    sampled_list, ranks_list, top_lp_list, top_ids_list = (t.tolist() for t in logprobs.tensors())
     out: list[TokenLogprobs | None] = []
     for i, n in enumerate(batch.num_logprobs):
         if n is None:

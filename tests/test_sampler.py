@@ -370,3 +370,26 @@ def test_cuda_batches_with_a_logit_bias_skip_the_triton_passes(temperature):
     ]
     batch = build_sampling_batch(params, [[1]] * 2, [[]] * 2, [None] * 2, EOS, V, "cuda")
     assert sample(logits, batch).token_ids == [7, int(logits[1].argmax())]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_steps_logprobs_are_read_without_waiting_for_work_queued_after_it():
+    import time
+
+    from engine.model_runner import PendingRunnerOutput
+    from engine.sampler import sample_on_device
+
+    logits = torch.randn(2, V, generator=seeded(15)).cuda()
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0)]
+    batch = build_sampling_batch(params, [[1]] * 2, [[]] * 2, [None] * 2, EOS, V, "cuda")
+    sampled, logprobs = sample_on_device(logits, batch)
+    pending = PendingRunnerOutput(["a", "b"], sampled, logprobs, batch)
+    torch.cuda._sleep(2_000_000_000)  # the next step: about a second of GPU time
+    start = time.perf_counter()
+    output = pending.result()
+    waited = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert waited < 0.2, f"result() waited {waited:.2f} s for work queued after the step"
+    assert output.sampled_token_ids == dict(zip("ab", logits.argmax(-1).tolist()))
+    assert output.logprobs["a"].rank == 1 and "b" not in output.logprobs
