@@ -29,7 +29,8 @@ from engine.layers.attention import Attention, attention_layers
 
 
 def capture_sizes(max_tokens: int) -> list[int]:
-    """Token-count buckets: steps of 16 up to 512, of 64 above (at most ~1/9 padding)."""
+    """Token-count buckets: steps of 16 up to 512, of 64 above (a step of n > 512 tokens
+    pads by at most n / 8)."""
     sizes = list(range(16, min(max_tokens, 512) + 1, 16)) + list(range(576, max_tokens + 1, 64))
     return sorted(set(sizes) | {max_tokens})
 
