@@ -470,9 +470,13 @@ class PendingRunnerOutput:
             return self._output
         if self._event is not None:
             self._event.synchronize()
-        res = finish_sampling(self._sampled, self._logprobs, self._batch)
-        output = ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, res.token_ids)))
-        for req_id, lp in zip(self._req_ids, res.logprobs):
+        if self._logprobs is None:
+            token_ids, logprobs = self._sampled.tolist(), ()
+        else:
+            res = finish_sampling(self._sampled, self._logprobs, self._batch)
+            token_ids, logprobs = res.token_ids, res.logprobs
+        output = ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, token_ids)))
+        for req_id, lp in zip(self._req_ids, logprobs):
             if lp is not None:
                 output.logprobs[req_id] = lp
         self._output = output
