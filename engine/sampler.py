@@ -167,13 +167,13 @@ def build_sampling_batch(
             _tensor(rows, torch.int64, device),
             _tensor(cols, torch.int64, device),
         )
-    biased = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    biased = [(i, p.logit_bias_arrays) for i, p in enumerate(params) if p.logit_bias_arrays]
     if biased:
-        bias_rows, tokens, values = zip(*biased, strict=True)
+        sizes = [len(ids) for _, (ids, _) in biased]
         batch.logit_bias = (
-            _tensor(list(bias_rows), torch.int64, device),
-            _tensor(list(tokens), torch.int64, device),
-            _tensor(list(values), torch.float32, device),
+            _from_numpy(np.repeat([i for i, _ in biased], sizes), device),
+            _from_numpy(np.concatenate([ids for _, (ids, _) in biased]), device),
+            _from_numpy(np.concatenate([values for _, (_, values) in biased]), device),
         )
     return batch
 
@@ -372,6 +372,13 @@ def _token_logprobs(
         top = dict(zip(top_ids_list[i][:n], top_lp_list[i][:n], strict=True))
         out.append(TokenLogprobs(token_ids[i], sampled_list[i], ranks_list[i], top))
     return out
+
+
+def _from_numpy(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

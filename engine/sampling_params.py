@@ -11,6 +11,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
+
 _GREEDY_EPS = 1e-5
 """Temperatures below this are treated as greedy (dividing by them overflows the logits)."""
 
@@ -59,6 +61,11 @@ class SamplingParams:
     """Token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's
     logit_bias); logprobs still report the model's own distribution."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias_arrays: tuple[np.ndarray, np.ndarray] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """logit_bias as (int64 token ids, float32 values), built once: a bias over much of the
+    vocabulary is read every step the request runs."""
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -104,6 +111,11 @@ class SamplingParams:
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.logit_bias is not None:
+            self.logit_bias_arrays = (
+                np.fromiter(self.logit_bias.keys(), np.int64, len(self.logit_bias)),
+                np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias)),
+            )
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
