@@ -3,8 +3,8 @@
 The model runner enters `forward_context(meta)` around `model(...)`; attention layers read
 it with `get_attention_metadata()`. Nesting is refused so a stale batch can never leak in.
 
-While piecewise CUDA graphs are captured (engine.piecewise_graphs), `attention_split(fn)`
-hands each attention layer's paged attention to `fn` instead of running it.
+A forward for piecewise CUDA graphs (engine.piecewise_graphs) passes `split`: attention
+layers then hand their paged attention to it instead of running it.
 """
 
 from __future__ import annotations
@@ -33,43 +33,31 @@ class AttentionMetadata:
     """How many requests at the front of the batch have one query token each."""
 
 
+AttentionSplit = Callable[[Any, torch.Tensor], torch.Tensor]
+"""(attention layer, query [T, Hq, D]) -> where the layer's output [T, Hq, D] will be."""
+
 _current: AttentionMetadata | None = None
+_split: AttentionSplit | None = None
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
-    global _current
+def forward_context(
+    meta: AttentionMetadata, split: AttentionSplit | None = None
+) -> Iterator[AttentionMetadata]:
+    global _current, _split
     if _current is not None:
         raise RuntimeError("forward_context is already active: nested forward passes")
-    _current = meta
+    _current, _split = meta, split
     try:
         yield meta
     finally:
-        _current = None
+        _current = _split = None
 
 
 def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("no forward_context: attention ran outside ModelRunner")
     return _current
-
-
-AttentionSplit = Callable[[Any, torch.Tensor], torch.Tensor]
-"""(attention layer, query [T, Hq, D]) -> where the layer's output [T, Hq, D] will be."""
-
-_split: AttentionSplit | None = None
-
-
-@contextmanager
-def attention_split(fn: AttentionSplit) -> Iterator[None]:
-    global _split
-    if _split is not None:
-        raise RuntimeError("attention_split is already active")
-    _split = fn
-    try:
-        yield
-    finally:
-        _split = None
 
 
 def get_attention_split() -> AttentionSplit | None:

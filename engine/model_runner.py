@@ -230,14 +230,7 @@ class ModelRunner:
             self.cuda_graphs.capture()
             max_tokens = min(self.config.prefill_cuda_graph_tokens, sched.max_num_batched_tokens)
             if max_tokens > 0:
-                self.piecewise_graphs = PiecewiseCudaGraphs(
-                    self.model,
-                    max_tokens=max_tokens,
-                    block_size=self.block_size,
-                    hidden_size=self.hf_config.hidden_size,
-                    dtype=self.dtype,
-                    device=self.device,
-                )
+                self.piecewise_graphs = PiecewiseCudaGraphs(self.model, max_tokens)
                 self.piecewise_graphs.capture()
 
     # -- one step -------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.forward_context import AttentionMetadata, attention_split, forward_context
+from engine.forward_context import AttentionMetadata, forward_context
 from engine.layers.attention import Attention, attention_layers
 
 
@@ -36,28 +36,26 @@ def capture_sizes(max_tokens: int) -> list[int]:
 
 
 class PiecewiseCudaGraphs:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_tokens: int,
-        block_size: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
+    def __init__(self, model: torch.nn.Module, max_tokens: int):
+        """`model` with its KV caches bound: their block size, dtype and device are the
+        graphs'."""
         layers = attention_layers(model)
         shapes = {(layer.num_heads, layer.head_dim) for layer in layers}
         if len(shapes) != 1:
             raise ValueError(f"piecewise CUDA graphs need one attention shape, got {shapes}")
         num_heads, head_dim = shapes.pop()
+        cache = layers[0].kv_cache
+        if cache is None:
+            raise RuntimeError("bind the KV caches before building piecewise CUDA graphs")
+        dtype, device = cache.dtype, cache.device
         self.model = model
-        self.block_size = block_size
+        self.block_size = cache.shape[2]
         self.sizes = capture_sizes(max_tokens)
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.output = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.output = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=device)
         # Every layer's attention reads and writes the same two buffers: layer i is done
         # with them before layer i + 1's graph writes its query.
         self.query = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
@@ -112,7 +110,7 @@ class PiecewiseCudaGraphs:
 
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool)
-            with forward_context(meta), attention_split(split):
+            with forward_context(meta, split):
                 hidden = self.model(self.input_ids[:size], self.positions[:size])
             self.output[:size].copy_(hidden)
             graph.capture_end()
@@ -154,6 +152,6 @@ class PiecewiseCudaGraphs:
             return layer.attend(query, meta, out=out)
 
         padded = replace(meta, slot_mapping=self.slot_mapping[:size])
-        with forward_context(padded), attention_split(split):
+        with forward_context(padded, split):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
         self.output[:size].copy_(hidden)

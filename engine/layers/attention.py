@@ -50,8 +50,8 @@ class Attention(nn.Module):
         """q [T, Hq*D], k and v [T, Hkv*D] (or already split into heads) -> [T, Hq*D].
 
         With `rotary`, q and k are rotated at `positions` first, in the same kernel that
-        stores the keys and values. Under `attention_split` (a piecewise graph capture) the
-        paged attention itself is handed to the split instead of run.
+        stores the keys and values. In a forward_context given a split (piecewise graphs),
+        the paged attention itself is handed to the split instead of run.
         """
         meta = get_attention_metadata()
         num_tokens = q.shape[0]
