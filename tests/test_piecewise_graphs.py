@@ -33,14 +33,7 @@ def test_steps_padded_to_a_bucket_give_the_tokens_of_unpadded_steps():
 
     llm = _llm()
     runner = llm.engine.executor.worker.runner
-    graphs = PiecewiseCudaGraphs(
-        runner.model,
-        max_tokens=TOKEN_BUDGET,
-        block_size=runner.block_size,
-        hidden_size=runner.hf_config.hidden_size,
-        dtype=runner.dtype,
-        device=runner.device,
-    )
+    graphs = PiecewiseCudaGraphs(runner.model, max_tokens=TOKEN_BUDGET)
     steps = []
     run = graphs.run
 
@@ -61,24 +54,18 @@ def test_steps_padded_to_a_bucket_give_the_tokens_of_unpadded_steps():
 
 def test_rows_past_the_step_store_nothing_and_leave_its_rows_alone():
     runner = _llm().engine.executor.worker.runner
-    graphs = PiecewiseCudaGraphs(
-        runner.model,
-        max_tokens=TOKEN_BUDGET,
-        block_size=runner.block_size,
-        hidden_size=runner.hf_config.hidden_size,
-        dtype=runner.dtype,
-        device=runner.device,
-    )
+    graphs = PiecewiseCudaGraphs(runner.model, max_tokens=TOKEN_BUDGET)
     for cache in runner.kv_caches:
         cache.zero_()
     n, bs = 5, runner.block_size
     # Leftovers of an earlier, larger step in the bucket's other rows: tokens, and slots
     # in block 2, which this step's request does not own.
     size = min(s for s in graphs.sizes if s > n)
-    graphs.input_ids[:size] = torch.randint(0, 1000, (size,))
+    gen = torch.Generator().manual_seed(0)
+    graphs.input_ids[:size] = torch.randint(0, 1000, (size,), generator=gen)
     graphs.positions[:size] = torch.arange(size)
     graphs.slot_mapping[:size] = 2 * bs + torch.arange(size) % bs
-    input_ids = torch.randint(0, 1000, (n,))
+    input_ids = torch.randint(0, 1000, (n,), generator=gen)
     positions = torch.arange(n)
     meta = AttentionMetadata(
         slot_mapping=bs + torch.arange(n),
@@ -138,14 +125,7 @@ class _RecordingGraph:
 def test_capture_splits_at_every_attention_and_replay_interleaves_them(monkeypatch):
     """The capture and replay control flow, with CUDA's graph calls recorded on a CPU."""
     runner = _llm().engine.executor.worker.runner
-    graphs = PiecewiseCudaGraphs(
-        runner.model,
-        max_tokens=32,
-        block_size=runner.block_size,
-        hidden_size=runner.hf_config.hidden_size,
-        dtype=runner.dtype,
-        device=runner.device,
-    )
+    graphs = PiecewiseCudaGraphs(runner.model, max_tokens=32)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordingGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
