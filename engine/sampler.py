@@ -375,14 +375,14 @@ def _token_logprobs(
 
 
 def _from_numpy(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(array)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return _to_device(torch.from_numpy(array), device)
 
 
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(data, dtype=dtype)
+    return _to_device(torch.tensor(data, dtype=dtype), device)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
