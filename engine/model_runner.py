@@ -6,6 +6,7 @@ scheduler sends new requests in full and running ones as diffs (engine/scheduler
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,6 +139,7 @@ class ModelRunner:
         The budget (gpu_memory_utilization x the card) is this process's: memory other
         processes hold counts only if it leaves too little free for the budget.
         """
+        gc.collect()  # an engine dropped in a reference cycle still holds its KV cache
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
