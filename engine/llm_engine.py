@@ -95,17 +95,26 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """A few tiny requests through a prefill over a block table, decodes, a step that
-        mixes a decode with a prefill, greedy and random sampling: Triton compiles these
-        kernels now, not during the first requests. They leave nothing behind: no cached
-        blocks, no prefix-cache counts."""
+        mixes a decode with a prefill, greedy and random sampling, and a step for each
+        prefill attention tile size: Triton compiles these kernels now, not during the
+        first requests (a short prompt or a chunk's short remainder picks a smaller tile
+        than a long one). They leave nothing behind: no cached blocks, no prefix-cache
+        counts."""
+        from kernels.triton_attention import prefill_tile_query_lens
+
         room = self.config.scheduler_config.max_model_len - 4  # prompt + 4 new tokens fit
         if room <= 0:
             return
-        token = min(self.vocab_size - 2, 100)
-        for i, (length, temperature) in enumerate(((40, 0.0), (17, 1.0))):
+        hf = self.hf_config
+        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        group = hf.num_attention_heads // kv_heads
+        tiles = prefill_tile_query_lens(group, self.config.model.dtype == "float32")
+        token = min(self.vocab_size - 2 - len(tiles), 100)
+        prompts = [(40, 0.0), (17, 1.0)] + [(length, 0.0) for length in tiles]
+        for i, (length, temperature) in enumerate(prompts):
             params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
             self.add_request(f"kvray-warm-up-{i}", [token + i] * min(length, room), params)
-            # The second arrives once the first is decoding: their step is a mixed batch.
+            # Each arrives once the ones before it decode: its step is a mixed batch.
             while self.scheduler.waiting:
                 self.step()
         while self.has_unfinished_requests():

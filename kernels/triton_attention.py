@@ -597,17 +597,35 @@ def _launch_decode(a, query_start_loc, seq_lens, block_tables, max_seq_len, num_
     )
 
 
+def prefill_block_m(max_query_len: int, group: int, float32: bool) -> int:
+    """Rows of a prefill tile (query tokens x the group's heads): small tiles when every
+    query of the batch is short (decodes mixed with short chunks)."""
+    max_m = (PREFILL_CONFIG_FP32 if float32 else PREFILL_CONFIG)[0]
+    block_m = max(16, min(max_m, triton.next_power_of_2(max_query_len * group)))
+    return max(block_m, triton.next_power_of_2(group))
+
+
+def prefill_tile_query_lens(group: int, float32: bool) -> list[int]:
+    """The shortest longest-query (of 2 tokens or more) that takes each prefill tile size.
+    Each size is a Triton compile of its own; a warm-up that runs a prefill of each of
+    these lengths leaves none to compile while serving."""
+    lens: dict[int, int] = {}
+    largest = prefill_block_m(1 << 20, group, float32)
+    length = 2
+    while largest not in lens:
+        lens.setdefault(prefill_block_m(length, group, float32), length)
+        length += 1
+    return sorted(lens.values())
+
+
 def _launch_prefill(a, query_start_loc, seq_lens, block_tables, max_query_len, first_req):
     """Requests first_req.. of the batch. An index rather than sliced tensors: Triton
     specializes a kernel on each pointer's 16-byte alignment, and slices at every decode
     count would compile it again and again during serving."""
     query, out = a.query, a.out
-    max_m, block_n, num_warps, num_stages = (
-        PREFILL_CONFIG_FP32 if query.dtype == torch.float32 else PREFILL_CONFIG
-    )
-    # Small tiles when every query is short (decodes mixed with short chunks).
-    block_m = max(16, min(max_m, triton.next_power_of_2(max_query_len * a.group)))
-    block_m = max(block_m, triton.next_power_of_2(a.group))
+    float32 = query.dtype == torch.float32
+    _, block_n, num_warps, num_stages = PREFILL_CONFIG_FP32 if float32 else PREFILL_CONFIG
+    block_m = prefill_block_m(max_query_len, a.group, float32)
     block_q = block_m // a.group
     grid = (seq_lens.shape[0] - first_req, triton.cdiv(max_query_len, block_q), a.num_kv_heads)
     _prefill_kernel[grid](
@@ -640,4 +658,10 @@ def _launch_prefill(a, query_start_loc, seq_lens, block_tables, max_query_len, f
     )
 
 
-__all__ = ["decode_num_splits", "paged_attention_triton", "store_kv_triton"]
+__all__ = [
+    "decode_num_splits",
+    "paged_attention_triton",
+    "prefill_block_m",
+    "prefill_tile_query_lens",
+    "store_kv_triton",
+]

@@ -287,6 +287,19 @@ def test_triton_modules_import_without_a_gpu(name):
     assert any(n.endswith("_triton") for n in dir(module))
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 16, 32])
+@pytest.mark.parametrize("float32", [False, True])
+def test_prefill_tile_query_lens_reach_every_tile_size_at_its_shortest(group, float32):
+    pytest.importorskip("triton")
+    from kernels.triton_attention import prefill_block_m, prefill_tile_query_lens
+
+    lens = prefill_tile_query_lens(group, float32)
+    tile_of = {n: prefill_block_m(n, group, float32) for n in range(2, 4096)}
+    assert sorted({tile_of[n] for n in lens}) == sorted(set(tile_of.values()))
+    for n in lens:  # the first length that takes its tile
+        assert all(tile_of[m] != tile_of[n] for m in range(2, n))
+
+
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.dtype == ref.dtype and out.shape == ref.shape
     assert not out.isnan().any(), "NaN in kernel output"

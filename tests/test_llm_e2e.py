@@ -306,6 +306,30 @@ def test_warm_up_runs_a_batch_that_mixes_a_decode_with_a_prefill():
     assert any(decodes >= 1 and longest > 1 for decodes, longest in batches), batches
 
 
+def test_warm_up_runs_a_prefill_of_every_attention_tile_size():
+    # The prefill kernel's tile follows the batch's longest query; each tile size is a
+    # Triton compile a user's short prompt would otherwise wait for.
+    from kernels.triton_attention import prefill_block_m
+
+    engine = LLM(max_model_len=256).engine
+    runner = engine.executor.worker.runner
+    longest = []
+    prepare = runner.prepare_inputs
+
+    def spy(out):
+        inputs = prepare(out)
+        longest.append(inputs.attn_metadata.max_query_len)
+        return inputs
+
+    runner.prepare_inputs = spy
+    engine.warm_up()
+    hf = engine.hf_config
+    group = hf.num_attention_heads // hf.num_key_value_heads
+    float32 = engine.config.model.dtype == "float32"
+    reachable = {prefill_block_m(n, group, float32) for n in range(2, 256)}
+    assert {prefill_block_m(n, group, float32) for n in longest if n > 1} == reachable
+
+
 def test_warm_up_fits_a_short_max_model_len():
     engine = LLM(max_model_len=20).engine
     engine.warm_up()
