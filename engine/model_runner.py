@@ -32,6 +32,7 @@ from engine.piecewise_graphs import PiecewiseCudaGraphs
 from engine.sampler import build_sampling_batch, finish_sampling, sample_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kernels import use_triton
 
 
 @dataclass
@@ -234,6 +235,11 @@ class ModelRunner:
             if max_tokens > 0:
                 self.piecewise_graphs = PiecewiseCudaGraphs(self.model, max_tokens)
                 self.piecewise_graphs.capture()
+        elif use_triton(self.kv_caches[0]):
+            from kernels.triton_attention import warm_up_decode
+
+            layer = attention_layers(self.model)[0]
+            warm_up_decode(self.kv_caches[0], layer.num_heads, layer.scale)
 
     # -- one step -------------------------------------------------------------------------
 

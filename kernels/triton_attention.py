@@ -532,6 +532,29 @@ class _KernelArgs:
         self.cache_strides = (k.stride(0), k.stride(1), k.stride(2))
 
 
+def decode_split_variants() -> list[int]:
+    """A split count for each decode kernel variant: unsplit, then each power of two up to
+    DECODE_MAX_SPLITS (the merge's tile over the partials, BLOCK_S, is the count's next
+    power of two, a compile-time constant)."""
+    return [1] + [1 << k for k in range(1, (DECODE_MAX_SPLITS - 1).bit_length() + 1)]
+
+
+def warm_up_decode(kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+    """Compile every decode kernel variant for this cache's shape now. Steps without CUDA
+    graphs (enforce_eager, pipeline stages) pick the split count from the batch and its
+    longest context, and would otherwise compile the variants one by one while serving."""
+    device, head_dim = kv_cache.device, kv_cache.shape[4]
+    query = torch.zeros(1, num_heads, head_dim, dtype=kv_cache.dtype, device=device)
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)  # the null block
+    for splits in decode_split_variants():
+        paged_attention_triton(
+            query, kv_cache, query_start_loc, seq_lens, block_tables, scale, 1, 1,
+            num_splits=splits,
+        )  # fmt: skip
+
+
 def _launch_decode(a, query_start_loc, seq_lens, block_tables, max_seq_len, num_splits):
     query, out = a.query, a.out
     num_seqs = seq_lens.shape[0]
@@ -660,8 +683,10 @@ def _launch_prefill(a, query_start_loc, seq_lens, block_tables, max_query_len, f
 
 __all__ = [
     "decode_num_splits",
+    "decode_split_variants",
     "paged_attention_triton",
     "prefill_block_m",
     "prefill_tile_query_lens",
     "store_kv_triton",
+    "warm_up_decode",
 ]

@@ -425,6 +425,30 @@ def test_triton_paged_decode_any_split_count(num_splits):
     assert_matches(paged_attention_triton(**batch, num_splits=num_splits), run_ref(batch))
 
 
+def test_decode_split_variants_cover_every_split_count_the_kernel_picks():
+    pytest.importorskip("triton")
+    import triton
+
+    from kernels.triton_attention import decode_num_splits, decode_split_variants
+
+    variants = {triton.next_power_of_2(n) for n in decode_split_variants()}
+    for num_seqs in (1, 2, 3, 7, 64, 513):
+        for num_kv_heads in (1, 8):
+            for max_seq_len in (1, 511, 513, 4096, 131072):
+                splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms=132)
+                assert triton.next_power_of_2(splits) in variants
+
+
+@triton_test
+def test_decode_warm_up_leaves_the_kernel_ready_for_real_batches():
+    from kernels.triton_attention import paged_attention_triton, warm_up_decode
+
+    batch = make_paged_batch([1] * 3, [15, 1000, 2049], 9, 3, 64, 16, torch.float16, DEVICE)
+    warm_up_decode(batch["kv_cache"], num_heads=9, scale=batch["scale"])
+    for num_splits in (1, 7):  # the merge counters were left at zero
+        assert_matches(paged_attention_triton(**batch, num_splits=num_splits), run_ref(batch))
+
+
 @triton_test
 def test_triton_paged_decode_spreads_short_contexts_over_a_graph_sized_grid():
     from kernels.triton_attention import paged_attention_triton
