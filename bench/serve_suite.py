@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--only", nargs="*", default=None, help="load labels to run")
     parser.add_argument("--skip-in-process", action="store_true")
+    parser.add_argument(
+        "--in-process-only",
+        action="store_true",
+        help="no Serve: every selected load against the in-process engine (engine keys "
+        "from --serve-arg), e.g. to compare engine settings under one load",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny loads (a smoke test)")
     parser.add_argument("--ready-timeout-s", type=float, default=900)
     parser.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
@@ -71,27 +77,32 @@ def main(argv: list[str] | None = None) -> None:
         "max_model_len": args.max_model_len,
     }
     loads = [load for load in SERVE_LOADS if args.only is None or load[0] in args.only]
-    base_url = SERVE_URL
-    server = _start_serve(engine_keys, args.serve_arg, workdir / "serve.log")
-    try:
-        _wait_ready(base_url, server, args.ready_timeout_s, workdir / "serve.log")
-        # The app's extra keys travel in the label of each recorded run.
-        suffix = "".join(f"+{item}" for item in args.serve_arg)
-        for label, seed, load_args in loads:
-            _run(args, label + suffix, seed, load_args, tokenizer, ["--base-url", base_url])
-    finally:
-        _stop(server)
+    if not args.in_process_only:
+        _run_serve(args, engine_keys, loads, tokenizer, workdir)
     if args.skip_in_process:
         return
     engine_args = [f"{k}={v}" for k, v in engine_keys.items() if k not in ("model", "tokenizer")]
     # The app's engine keys hold for the in-process engine too (its serving keys do not).
-    engine_args += [item for item in args.serve_arg if item.split("=", 1)[0] in ENGINE_KEYS]
+    own_keys = [item for item in args.serve_arg if item.split("=", 1)[0] in ENGINE_KEYS]
     in_process = ["--in-process", args.model]
-    for item in engine_args:
+    for item in engine_args + own_keys:
         in_process += ["--engine-arg", item]
+    suffix = "".join(f"+{item}" for item in own_keys)
     for label, seed, load_args in loads:
-        if label in IN_PROCESS_LOADS:
-            _run(args, f"{label}-in-process", seed, load_args, tokenizer, in_process)
+        if args.in_process_only or label in IN_PROCESS_LOADS:
+            _run(args, f"{label}-in-process{suffix}", seed, load_args, tokenizer, in_process)
+
+
+def _run_serve(args, engine_keys: dict, loads, tokenizer: str, workdir: Path) -> None:
+    server = _start_serve(engine_keys, args.serve_arg, workdir / "serve.log")
+    try:
+        _wait_ready(SERVE_URL, server, args.ready_timeout_s, workdir / "serve.log")
+        # The app's extra keys travel in the label of each recorded run.
+        suffix = "".join(f"+{item}" for item in args.serve_arg)
+        for label, seed, load_args in loads:
+            _run(args, label + suffix, seed, load_args, tokenizer, ["--base-url", SERVE_URL])
+    finally:
+        _stop(server)
 
 
 def _word_tokenizer(args: argparse.Namespace, folder: Path) -> Path:
