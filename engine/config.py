@@ -88,10 +88,12 @@ class EngineConfig(_Frozen):
         default=2048,
         ge=0,
         description="steps with prefills of up to this many tokens (at most "
-        "max_num_batched_tokens) replay CUDA graphs split at attention; 0: eager",
+        "max_num_batched_tokens) replay CUDA graphs split at attention; 0: eager (the "
+        "default with tensor_parallel_size > 1)",
     )
     """Steps with prefills of up to this many tokens (at most max_num_batched_tokens) replay
-    CUDA graphs split at attention (engine/piecewise_graphs.py); 0: they run eagerly.
+    CUDA graphs split at attention (engine/piecewise_graphs.py); 0: they run eagerly, the
+    default with tensor_parallel_size > 1 (not yet run on GPUs there).
     Decode-only steps always replay whole-forward graphs unless enforce_eager. Measured for
     llama3-8b on an H200 (bench/RESULTS.md): an 8-token first token 18.1 -> 5.7 ms, 256
     tokens 16.7 -> 8.2 ms, equal from 1,024 tokens on, where the GPU outlasts the launches;
@@ -154,6 +156,12 @@ class EngineConfig(_Frozen):
             seqs, tokens = default_batch_limits(_gpu_memory_and_name(device), usage_context)
             sched_args.setdefault("max_num_seqs", seqs)
             sched_args.setdefault("max_num_batched_tokens", tokens)
+        runner_args = {k: engine_args[k] for k in RUNNER_ARGS if k in engine_args}
+        runner_args.pop("device", None)
+        if engine_args.get("tensor_parallel_size", 1) > 1:
+            # Piecewise graphs across tensor-parallel ranks have not yet run on GPUs: only
+            # when asked for.
+            runner_args.setdefault("prefill_cuda_graph_tokens", 0)
         return cls(
             model_config=ModelConfig(**model_args),
             cache_config=CacheConfig(
@@ -164,7 +172,7 @@ class EngineConfig(_Frozen):
                 **{k: v for k, v in engine_args.items() if k in fields[ParallelConfig]}
             ),
             device=device,
-            **{k: engine_args[k] for k in RUNNER_ARGS if k in engine_args and k != "device"},
+            **runner_args,
         )
 
 

@@ -103,6 +103,11 @@ def test_prefill_cuda_graph_tokens_is_checked():
         EngineConfig.create(device="cpu", prefill_cuda_graph_tokens=-1)
     config = EngineConfig.create(device="cpu", prefill_cuda_graph_tokens=512)
     assert config.prefill_cuda_graph_tokens == 512
+    assert EngineConfig.create(device="cpu").prefill_cuda_graph_tokens == 2048
+    # Across tensor-parallel ranks only when asked for.
+    assert EngineConfig.create(device="cpu", tensor_parallel_size=3).prefill_cuda_graph_tokens == 0
+    tp = EngineConfig.create(device="cpu", tensor_parallel_size=3, prefill_cuda_graph_tokens=64)
+    assert tp.prefill_cuda_graph_tokens == 64
 
 
 class _RecordingGraph:
