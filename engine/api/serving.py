@@ -45,8 +45,10 @@ from engine.tokenizer import apply_chat_template
 # Prompt text of at least this many characters is tokenized on a worker thread, so that the
 # event loop goes on streaming other requests meanwhile (the Rust tokenizer releases the
 # GIL, and several prompts of one burst tokenize side by side). On an H200 host 1,024 words
-# (about 6,000 characters) took 2-3 ms on a replica's loop; handing work to a thread and
-# back costs about a tenth of a millisecond, more than a short prompt's tokenization.
+# (about 6,000 characters) took 2-3 ms on a replica's loop with the offsets-tracking encode;
+# the fast encode (engine.tokenizer.encode_text) takes about a third of that, so the
+# threshold may now be low (not re-measured). Handing work to a thread and back costs
+# about a tenth of a millisecond, more than a short prompt's tokenization.
 TOKENIZE_ON_THREAD_CHARS = 2048
 TOKENIZE_THREADS = 4
 
