@@ -12,6 +12,7 @@ import json
 import threading
 
 import pytest
+from pydantic import ValidationError
 
 from engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
@@ -249,11 +250,24 @@ def test_chat_input_errors(tokenizer):
         (_chat(max_tokens=MAX_MODEL_LEN), "max_tokens"),
         (_chat(top_logprobs=2), "top_logprobs"),
         (_chat(messages=[{"role": "user", "content": "long " * 100}]), "messages"),
+        (_chat(response_format={"type": "json_object"}), "response_format"),
+        (_chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format"),
     ]
     for request, param in cases:
         with pytest.raises(APIError) as info:
             asyncio.run(serving.create_chat_completion(request))
         assert info.value.status_code == 400 and info.value.param == param, info.value.message
+
+
+def test_a_text_response_format_is_the_default_one(tokenizer):
+    serving, engine = _serving(tokenizer)
+    asyncio.run(serving.create_chat_completion(_chat(max_tokens=2)))
+    asyncio.run(
+        serving.create_chat_completion(_chat(max_tokens=2, response_format={"type": "text"}))
+    )
+    assert engine.calls[0] == engine.calls[1]
+    with pytest.raises(ValidationError, match="response_format"):
+        _chat(response_format={"type": "yaml"})
 
 
 def test_logit_bias_reaches_the_engine_by_token_id(tokenizer):

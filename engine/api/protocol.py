@@ -166,8 +166,15 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
+    """Only {"type": "text"} (free text, the default) is served; the JSON modes are 400s."""
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
