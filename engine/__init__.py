@@ -2,7 +2,7 @@
 
 from engine.llm_engine import LLM, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 __all__ = [
     "LLM",
@@ -11,4 +11,5 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutput",
 ]

@@ -21,6 +21,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.structured_output import StructuredOutputs
 from engine.tokenizer import (
     IncrementalDetokenizer,
     apply_chat_template,
@@ -90,6 +91,7 @@ class LLMEngine:
         self._pending: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         """Steps launched whose tokens are not read yet, oldest first."""
         self.metrics: EngineMetrics | None = None
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_id)
         if config.device == "cuda":
             self.warm_up()
 
@@ -174,6 +176,9 @@ class LLMEngine:
         bad = [t for t in sampling_params.logit_bias or () if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {self.vocab_size})")
+        grammar = None
+        if sampling_params.structured_output is not None:
+            grammar = self.structured.grammar(sampling_params.structured_output)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         parent = _ParentRequest(
             request_id,
@@ -218,6 +223,8 @@ class LLMEngine:
         for child in children:
             parent.samples.append(child)
             self._sample_parent[child.request.request_id] = request_id
+            if grammar is not None:
+                self.structured.add(child.request.request_id, grammar)
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
 
@@ -267,10 +274,17 @@ class LLMEngine:
         requests, so that every stage has work.
         """
         outputs: list[RequestOutput] = []
-        max_pending = self._max_pending()
+        # A structured request's next mask follows from its latest token: read them all first.
+        max_pending = 0 if self.structured else self._max_pending()
         while len(self._pending) > max_pending:
             outputs += self._complete(*self._pending.popleft())
         scheduler_output = self.scheduler.schedule()
+        if self.structured:
+            scheduler_output.grammar_bitmask = {
+                rid: self.structured.bitmask(rid)
+                for rid in scheduler_output.num_scheduled_tokens
+                if rid in self.structured.matchers
+            }
         if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
             # Every runnable request waits for a step in flight: read that one, then schedule
             # again (this step's finished ids go to the workers with the next step).
@@ -349,11 +363,14 @@ class LLMEngine:
         self._parents.pop(parent.request_id, None)
         for s in parent.samples:
             self._sample_parent.pop(s.request.request_id, None)
+            self.structured.remove(s.request.request_id)
 
     def _process_sample(self, sample: _Sample, logprobs: TokenLogprobs | None) -> None:
         request = sample.request
         new_ids = request.output_token_ids[sample.num_seen_tokens :]
         sample.num_seen_tokens = len(request.output_token_ids)
+        if self.structured:
+            self.structured.accept(request.request_id, new_ids)
         if logprobs is not None and sample.logprobs is not None:
             sample.logprobs.append(logprobs)
         if sample.detokenizer is None:

@@ -405,6 +405,9 @@ class ModelRunner:
                 vocab_size=logits.shape[-1],
                 device=self.device,
                 num_output_tokens=num_outputs,
+                token_bitmasks=[out.grammar_bitmask.get(r) for r in batch.sampling_req_ids]
+                if out.grammar_bitmask
+                else None,
             )
             if sampling_batch.output_token_counts is not None:
                 self._count_pending_tokens(sampling_batch.output_token_counts, states, num_pending)

@@ -12,6 +12,7 @@ back to Python.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,9 @@ class SamplingBatch:
     """(rows, token ids) blocked because the row is still below min_tokens."""
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """(rows, token ids, float32 values) added to the logits (SamplingParams.logit_bias)."""
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, int32 bitmask words [R, W]): those rows sample only tokens whose bit is set
+    (structured output); bit i of word w is token 32w + i."""
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     """Row -> the request's own generator, for seeded random rows."""
     num_logprobs: list[int | None] = field(default_factory=list)
@@ -96,9 +100,11 @@ def build_sampling_batch(
     vocab_size: int,
     device: torch.device | str,
     num_output_tokens: list[int] | None = None,
+    token_bitmasks: list[np.ndarray | None] | None = None,
 ) -> SamplingBatch:
     """`num_output_tokens`: tokens each row generated before this one (min_tokens), when
-    `output_token_ids` lacks some (in flight) or is left empty (no penalties to apply)."""
+    `output_token_ids` lacks some (in flight) or is left empty (no penalties to apply).
+    `token_bitmasks`: per row, the tokens it may sample (SchedulerOutput.grammar_bitmask)."""
     device = torch.device(device)
     num_rows = len(params)
     if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
@@ -175,6 +181,12 @@ def build_sampling_batch(
             _from_numpy(np.concatenate([ids for _, (ids, _) in biased]), device),
             _from_numpy(np.concatenate([values for _, (_, values) in biased]), device),
         )
+    masked = [(i, m) for i, m in enumerate(token_bitmasks or ()) if m is not None]
+    if masked:
+        batch.allowed_tokens = (
+            _tensor([i for i, _ in masked], torch.int64, device),
+            _from_numpy(np.stack([m for _, m in masked]), device),
+        )
     return batch
 
 
@@ -220,6 +232,11 @@ def sample_on_device(
     if batch.logit_bias is not None:
         rows, tokens, values = batch.logit_bias
         logits.index_put_((rows, tokens), values, accumulate=True)
+    if batch.allowed_tokens is not None:
+        rows, words = batch.allowed_tokens
+        logits[rows] = logits[rows].masked_fill(
+            ~_unpack_bitmask(words, logits.shape[-1]), -math.inf
+        )
     if batch.min_tokens_mask is not None:
         logits[batch.min_tokens_mask] = float("-inf")
     if batch.output_token_counts is not None:
@@ -249,6 +266,18 @@ def sample_on_device(
     return sampled, _logprob_tensors(raw_logprobs, sampled, batch.max_num_logprobs)
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 words [R, W] -> bool [R, vocab_size]; tokens past the words are not allowed."""
+    bits = (words.unsqueeze(-1) >> _BITS.to(words.device)) & 1
+    allowed = bits.view(words.shape[0], -1)[:, :vocab_size].bool()
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    return allowed
+
+
 def _logits_used_as_is(logits: torch.Tensor, batch: SamplingBatch) -> bool:
     """On a GPU, with no logprobs to report and nothing (min_tokens, penalties, logit_bias)
     to change in the logits before sampling: the Triton passes below can read them directly."""
@@ -258,6 +287,7 @@ def _logits_used_as_is(logits: torch.Tensor, batch: SamplingBatch) -> bool:
         and batch.min_tokens_mask is None
         and batch.output_token_counts is None
         and batch.logit_bias is None
+        and batch.allowed_tokens is None
     )
 
 

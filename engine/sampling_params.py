@@ -32,6 +32,21 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain a request's output to JSON: any JSON value's object form when json_schema
+    is None (OpenAI's "json_object"), else a value that matches the JSON Schema (its text)."""
+
+    json_schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError(
+                f"structured_output.json_schema must be JSON Schema text, got "
+                f"{type(self.json_schema).__name__}"
+            )
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -61,6 +76,9 @@ class SamplingParams:
     """Token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's
     logit_bias); logprobs still report the model's own distribution."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_output: StructuredOutput | None = None
+    """Every sampled token keeps the output a prefix of valid JSON (engine/structured_output.py);
+    logprobs still report the model's own distribution."""
     logit_bias_arrays: tuple[np.ndarray, np.ndarray] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -115,6 +133,12 @@ class SamplingParams:
             self.logit_bias_arrays = (
                 np.fromiter(self.logit_bias.keys(), np.int64, len(self.logit_bias)),
                 np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias)),
+            )
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise ValueError(
+                f"structured_output must be a StructuredOutput, got {self.structured_output!r}"
             )
         try:
             self.output_kind = RequestOutputKind(self.output_kind)

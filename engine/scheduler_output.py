@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.sampling_params import SamplingParams
 
 
@@ -41,6 +43,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished, aborted or preempted since the last step: workers drop their state."""
+    grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
+    """req_id -> int32 words of the tokens its structured output allows next (bit i of word
+    w: token 32w + i); requests without one sample freely."""
 
     @property
     def is_empty(self) -> bool:

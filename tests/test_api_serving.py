@@ -19,6 +19,7 @@ from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.async_engine import EngineDeadError
 from engine.bundled import bundled_model_path
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.sampling_params import StructuredOutput
 from engine.tokenizer import load_tokenizer
 
 MAX_MODEL_LEN = 64
@@ -250,8 +251,7 @@ def test_chat_input_errors(tokenizer):
         (_chat(max_tokens=MAX_MODEL_LEN), "max_tokens"),
         (_chat(top_logprobs=2), "top_logprobs"),
         (_chat(messages=[{"role": "user", "content": "long " * 100}]), "messages"),
-        (_chat(response_format={"type": "json_object"}), "response_format"),
-        (_chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format"),
+        (_chat(response_format={"type": "json_schema"}), "response_format"),
     ]
     for request, param in cases:
         with pytest.raises(APIError) as info:
@@ -259,15 +259,32 @@ def test_chat_input_errors(tokenizer):
         assert info.value.status_code == 400 and info.value.param == param, info.value.message
 
 
-def test_a_text_response_format_is_the_default_one(tokenizer):
+def test_response_format_reaches_the_engine_as_a_structured_output(tokenizer):
     serving, engine = _serving(tokenizer)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    formats = [
+        {"type": "text"},
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}},
+    ]
     asyncio.run(serving.create_chat_completion(_chat(max_tokens=2)))
-    asyncio.run(
-        serving.create_chat_completion(_chat(max_tokens=2, response_format={"type": "text"}))
-    )
-    assert engine.calls[0] == engine.calls[1]
+    for fmt in formats:
+        asyncio.run(serving.create_chat_completion(_chat(max_tokens=2, response_format=fmt)))
+    asyncio.run(serving.create_completion(_completion(response_format=formats[2])))
+    specs = [call["params"].structured_output for call in engine.calls]
+    assert specs == [None, None, StructuredOutput(), StructuredOutput(json.dumps(schema))] + [
+        StructuredOutput(json.dumps(schema))
+    ]
     with pytest.raises(ValidationError, match="response_format"):
         _chat(response_format={"type": "yaml"})
+
+
+def test_an_engine_refusal_of_a_schema_names_response_format(tokenizer):
+    serving, engine = _serving(tokenizer)
+    engine.fail = ValueError("structured_output (response_format): a JSON schema ...")
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_chat_completion(_chat(response_format={"type": "json_object"})))
+    assert info.value.status_code == 400 and info.value.param == "response_format"
 
 
 def test_logit_bias_reaches_the_engine_by_token_id(tokenizer):

@@ -119,6 +119,49 @@ def test_chat_matches_offline_llm_and_counts_usage(served, client):
     assert usage.completion_tokens == 8 and usage.total_tokens == len(prompt_ids) + 8
 
 
+def test_json_response_formats_through_the_openai_client(client):
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "A person as JSON, please."}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=64, response_format=schema_format
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert set(json.loads(reply.choices[0].message.content)) == {"name", "age"}
+    chunks = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=64,
+        response_format=schema_format,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    anything = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, response_format={"type": "json_object"}
+    )
+    choice = anything.choices[0]
+    assert choice.message.content.startswith("{")
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objectx"}},
+            },
+        )
+
+
 def test_sixteen_concurrent_streams_all_complete_correctly(served, client):
     _, llm = served
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(16)]

@@ -6,8 +6,10 @@ engine's max_tokens), checked before anything reaches the engine.
 
 from __future__ import annotations
 
-from engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from engine.sampling_params import SamplingParams
+import json
+
+from engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 
 def check_prompt(ids: list[int], max_model_len: int, param: str) -> list[int]:
@@ -60,6 +62,7 @@ def to_sampling_params(
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
         "logit_bias": _logit_bias(request.logit_bias),
+        "structured_output": _structured_output(request.response_format),
     }
     try:
         return SamplingParams(
@@ -74,6 +77,19 @@ def to_sampling_params(
     except ValueError as e:
         # SamplingParams names the field first: "temperature must be >= 0, got -1".
         raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def _structured_output(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutput()
+    if response_format.json_schema is None:
+        raise APIError(
+            "response_format of type json_schema needs json_schema.schema",
+            param="response_format",
+        )
+    return StructuredOutput(json.dumps(response_format.json_schema.schema_))
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

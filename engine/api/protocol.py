@@ -118,6 +118,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    """Output always follows the schema, strict or not."""
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Fields both endpoints share: OpenAI's, then vLLM's extensions."""
 
@@ -145,6 +158,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int | None = None
     """Scheduling priority (lower runs first); never more urgent than the tenant's own."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
 
 
 class CompletionRequest(_SamplingFields):
@@ -166,15 +181,8 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    response_format: ResponseFormat | None = None
-    """Only {"type": "text"} (free text, the default) is served; the JSON modes are 400s."""
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

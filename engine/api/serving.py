@@ -118,12 +118,6 @@ class OpenAIServing:
         self._check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise APIError(
-                f"response_format type {request.response_format.type!r} is not supported: "
-                "this server has no structured outputs (only {'type': 'text'})",
-                param="response_format",
-            )
         ids = check_prompt(await self._apply_chat_template(request), self.max_model_len, "messages")
         if request.max_completion_tokens is not None:
             max_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
@@ -295,7 +289,8 @@ async def _next(outputs: AsyncIterator, deadline: float | None) -> Any:
     except EngineDeadError as e:
         raise APIError(f"the engine is not running: {e}", 503, code="engine_dead") from None
     except ValueError as e:
-        raise APIError(str(e)) from None
+        param = "response_format" if str(e).startswith("structured_output") else None
+        raise APIError(str(e), param=param) from None
 
 
 async def _merge(

@@ -1,0 +1,97 @@
+"""JSON-constrained sampling (OpenAI's response_format) on xgrammar's grammar matchers.
+
+The engine keeps a matcher for each sample of a structured request. For a step, every such
+request scheduled in it gets the bitmask of the tokens that keep its output a prefix of
+valid JSON, given the tokens it has so far; the sampler sets every other logit to -inf, and
+each token sampled then advances the matcher. A mask needs the request's latest token, so
+while a structured request runs the engine reads each step before it schedules the next
+(no step is launched ahead of its predecessor's tokens).
+
+JSON is generated without optional whitespace: a small model offered free whitespace
+may spend its whole token budget on it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from engine.sampling_params import StructuredOutput
+
+_OBJECT_SCHEMA = json.dumps({"type": "object"})
+"""OpenAI's json_object: any JSON object."""
+_CACHED_GRAMMARS = 256
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._compiler: Any = None
+        self._grammars: OrderedDict[str, Any] = OrderedDict()
+        self.matchers: dict[str, Any] = {}
+        """Sample request id -> its xgrammar.GrammarMatcher."""
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def grammar(self, spec: StructuredOutput) -> Any:
+        """The compiled grammar for `spec`; ValueError for a schema that cannot be followed."""
+        import xgrammar as xgr
+
+        if self.tokenizer is None:
+            raise ValueError("structured_output needs the model's tokenizer")
+        if self._compiler is None:
+            stop = [] if self.eos_token_id is None else [self.eos_token_id]
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        schema = _OBJECT_SCHEMA if spec.json_schema is None else spec.json_schema
+        grammar = self._grammars.get(schema)
+        if grammar is None:
+            try:
+                grammar = self._compiler.compile_json_schema(schema, any_whitespace=False)
+            except Exception as e:  # xgrammar raises RuntimeError with the reason
+                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                raise ValueError(
+                    f"structured_output (response_format): a JSON schema this server cannot "
+                    f"follow: {reason}"
+                ) from None
+            self._grammars[schema] = grammar
+            if len(self._grammars) > _CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        else:
+            self._grammars.move_to_end(schema)
+        return grammar
+
+    def add(self, request_id: str, grammar: Any) -> None:
+        import xgrammar as xgr
+
+        self.matchers[request_id] = xgr.GrammarMatcher(grammar)
+
+    def remove(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def bitmask(self, request_id: str) -> np.ndarray:
+        """int32 words, bit i of word w set where token 32w + i may come next."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matchers[request_id].fill_next_token_bitmask(mask)
+        return mask[0].numpy()
+
+    def accept(self, request_id: str, token_ids: list[int]) -> None:
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return
+        for token in token_ids:
+            # False only once the JSON is complete (the mask then allows EOS alone, which
+            # ignore_eos may sample again and again): nothing more to follow.
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                return

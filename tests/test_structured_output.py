@@ -1,0 +1,109 @@
+"""JSON-constrained sampling: the sampler's mask, then the engine on the bundled model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, StructuredOutput
+from engine.sampler import build_sampling_batch, sample
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _bitmask(allowed: list[int], vocab_size: int) -> np.ndarray:
+    words = np.zeros(-(-vocab_size // 32), dtype=np.int64)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def test_masked_rows_sample_only_allowed_tokens_and_the_others_are_untouched():
+    vocab, gen = 100, torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab + 12, generator=gen)  # padded past the vocabulary
+    allowed = [[3, 31, 32, 63, 99], None, [7], None]
+    params = [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=2),
+    ]
+    for _ in range(20):
+        batch = build_sampling_batch(
+            params,
+            [[]] * 4,
+            [[]] * 4,
+            [torch.Generator().manual_seed(i) for i in range(4)],
+            None,
+            vocab,
+            "cpu",
+            token_bitmasks=[None if a is None else _bitmask(a, vocab) for a in allowed],
+        )
+        tokens = sample(logits, batch).token_ids
+        assert tokens[0] in allowed[0] and tokens[2] == 7
+        assert tokens[1] == int(logits[1, :vocab].argmax())
+    reference = build_sampling_batch(
+        params[3:], [[]], [[]], [torch.Generator().manual_seed(3)], None, vocab, "cpu"
+    )
+    assert tokens[3] == sample(logits[3:], reference).token_ids[0]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512)
+
+
+def _chat_ids(llm, content: str) -> list[int]:
+    tok = llm.engine.tokenizer
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_a_schema_shapes_the_output_and_leaves_its_batch_neighbours_alone(llm):
+    ids = _chat_ids(llm, "Give me a person as JSON with a name and an age.")
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = llm.generate([ids], free)[0].outputs[0]
+    person = SamplingParams(
+        temperature=0.0, max_tokens=64, structured_output=StructuredOutput(json.dumps(PERSON))
+    )
+    shaped, neighbour = (o.outputs[0] for o in llm.generate([ids, ids], [person, free]))
+    value = json.loads(shaped.text)
+    assert shaped.finish_reason == "stop"
+    assert set(value) == {"name", "age"}
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+    assert neighbour.token_ids == alone.token_ids
+    assert not alone.text.startswith("{")  # free text here: the schema made the difference
+
+
+def test_json_object_outputs_parse_for_sampled_requests_and_each_of_n(llm):
+    ids = _chat_ids(llm, "Describe a cat in JSON.")
+    params = SamplingParams(
+        n=2, temperature=1.0, seed=7, max_tokens=96, structured_output=StructuredOutput()
+    )
+    for out in llm.generate([ids, ids[:-3]], params):
+        for choice in out.outputs:
+            if choice.finish_reason == "stop":
+                assert isinstance(json.loads(choice.text), dict)
+            else:  # out of tokens: still a prefix of one JSON object
+                assert choice.text.startswith("{")
+
+
+def test_a_schema_that_cannot_be_followed_is_refused_and_the_engine_goes_on(llm):
+    bad = SamplingParams(max_tokens=4, structured_output=StructuredOutput('{"type": "objectx"}'))
+    with pytest.raises(ValueError, match="structured_output"):
+        llm.engine.add_request("bad", [1, 2, 3], bad)
+    with pytest.raises(ValueError, match="structured_output"):
+        StructuredOutput({"type": "object"})  # a dict, not schema text
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) == 3
