@@ -71,7 +71,7 @@ qwen3_suite() {
 for s in "$@"; do
     case $s in
     tests) stage tests 200 python -m pytest -m gpu -q tests/test_kernels.py \
-        tests/test_gpu_model.py tests/test_sampler.py ;;
+        tests/test_gpu_model.py tests/test_sampler.py tests/test_structured_output.py ;;
     profile)
         stage profile-qwen3-mixed 180 python -m bench.profile_step workload \
             --model-shape qwen3-0.6b --workload mixed

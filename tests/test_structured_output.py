@@ -27,8 +27,18 @@ def _bitmask(allowed: list[int], vocab_size: int) -> np.ndarray:
 
 
 def test_masked_rows_sample_only_allowed_tokens_and_the_others_are_untouched():
+    _check_masked_sampling("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_masked_rows_sample_only_allowed_tokens_and_the_others_are_untouched():
+    _check_masked_sampling("cuda")
+
+
+def _check_masked_sampling(device: str) -> None:
     vocab, gen = 100, torch.Generator().manual_seed(0)
-    logits = torch.randn(4, vocab + 12, generator=gen)  # padded past the vocabulary
+    logits = torch.randn(4, vocab + 12, generator=gen).to(device)  # padded past the vocabulary
     allowed = [[3, 31, 32, 63, 99], None, [7], None]
     params = [
         SamplingParams(temperature=1.0, seed=1),
@@ -41,17 +51,17 @@ def test_masked_rows_sample_only_allowed_tokens_and_the_others_are_untouched():
             params,
             [[]] * 4,
             [[]] * 4,
-            [torch.Generator().manual_seed(i) for i in range(4)],
+            [torch.Generator(device).manual_seed(i) for i in range(4)],
             None,
             vocab,
-            "cpu",
+            device,
             token_bitmasks=[None if a is None else _bitmask(a, vocab) for a in allowed],
         )
         tokens = sample(logits, batch).token_ids
         assert tokens[0] in allowed[0] and tokens[2] == 7
         assert tokens[1] == int(logits[1, :vocab].argmax())
     reference = build_sampling_batch(
-        params[3:], [[]], [[]], [torch.Generator().manual_seed(3)], None, vocab, "cpu"
+        params[3:], [[]], [[]], [torch.Generator(device).manual_seed(3)], None, vocab, device
     )
     assert tokens[3] == sample(logits[3:], reference).token_ids[0]
 
