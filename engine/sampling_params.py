@@ -134,12 +134,14 @@ class SamplingParams:
                 np.fromiter(self.logit_bias.keys(), np.int64, len(self.logit_bias)),
                 np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias)),
             )
-        if self.structured_output is not None and not isinstance(
-            self.structured_output, StructuredOutput
-        ):
-            raise ValueError(
-                f"structured_output must be a StructuredOutput, got {self.structured_output!r}"
-            )
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError(
+                    f"structured_output must be a StructuredOutput, got {self.structured_output!r}"
+                )
+            if self.min_tokens:
+                # A finished JSON value allows only EOS, which min_tokens would block.
+                raise ValueError("min_tokens cannot be combined with structured_output")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

@@ -114,6 +114,8 @@ def test_a_schema_that_cannot_be_followed_is_refused_and_the_engine_goes_on(llm)
         llm.engine.add_request("bad", [1, 2, 3], bad)
     with pytest.raises(ValueError, match="structured_output"):
         StructuredOutput({"type": "object"})  # a dict, not schema text
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, structured_output=StructuredOutput())
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))[0]
     assert len(out.outputs[0].token_ids) == 3
