@@ -288,46 +288,43 @@ def test_warm_up_leaves_no_state_behind():
     assert llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids == before
 
 
-def test_warm_up_runs_a_batch_that_mixes_a_decode_with_a_prefill():
-    # A GPU launches a kernel variant for the decodes of a mixed batch that Triton must
-    # compile before the first user's batch, not in it.
+@pytest.fixture(scope="module")
+def warm_up_steps():
+    """(engine, [(num_decodes, max_query_len)] of each step its warm_up() ran)."""
     engine = LLM(max_model_len=256).engine
     runner = engine.executor.worker.runner
-    batches = []
+    steps = []
     prepare = runner.prepare_inputs
 
     def spy(out):
         inputs = prepare(out)
-        batches.append((inputs.attn_metadata.num_decodes, inputs.attn_metadata.max_query_len))
+        steps.append((inputs.attn_metadata.num_decodes, inputs.attn_metadata.max_query_len))
         return inputs
 
     runner.prepare_inputs = spy
     engine.warm_up()
-    assert any(decodes >= 1 and longest > 1 for decodes, longest in batches), batches
+    runner.prepare_inputs = prepare
+    return engine, steps
 
 
-def test_warm_up_runs_a_prefill_of_every_attention_tile_size():
+def test_warm_up_runs_a_batch_that_mixes_a_decode_with_a_prefill(warm_up_steps):
+    # A GPU launches a kernel variant for the decodes of a mixed batch that Triton must
+    # compile before the first user's batch, not in it.
+    _, steps = warm_up_steps
+    assert any(decodes >= 1 and longest > 1 for decodes, longest in steps), steps
+
+
+def test_warm_up_runs_a_prefill_of_every_attention_tile_size(warm_up_steps):
     # The prefill kernel's tile follows the batch's longest query; each tile size is a
     # Triton compile a user's short prompt would otherwise wait for.
     from kernels.triton_attention import prefill_block_m
 
-    engine = LLM(max_model_len=256).engine
-    runner = engine.executor.worker.runner
-    longest = []
-    prepare = runner.prepare_inputs
-
-    def spy(out):
-        inputs = prepare(out)
-        longest.append(inputs.attn_metadata.max_query_len)
-        return inputs
-
-    runner.prepare_inputs = spy
-    engine.warm_up()
+    engine, steps = warm_up_steps
     hf = engine.hf_config
     group = hf.num_attention_heads // hf.num_key_value_heads
     float32 = engine.config.model.dtype == "float32"
     reachable = {prefill_block_m(n, group, float32) for n in range(2, 256)}
-    assert {prefill_block_m(n, group, float32) for n in longest if n > 1} == reachable
+    assert {prefill_block_m(n, group, float32) for _, n in steps if n > 1} == reachable
 
 
 def test_warm_up_fits_a_short_max_model_len():
