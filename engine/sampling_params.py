@@ -34,8 +34,8 @@ class SamplingType(enum.IntEnum):
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrain a request's output to JSON: any JSON value's object form when json_schema
-    is None (OpenAI's "json_object"), else a value that matches the JSON Schema (its text)."""
+    """Constrain a request's output to JSON: any JSON object when json_schema is None
+    (OpenAI's "json_object"), else a value that matches the JSON Schema (given as text)."""
 
     json_schema: str | None = None
 
