@@ -14,7 +14,6 @@ may spend its whole token budget on it.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,7 @@ from engine.sampling_params import StructuredOutput
 
 _OBJECT_SCHEMA = json.dumps({"type": "object"})
 """OpenAI's json_object: any JSON object."""
-_CACHED_GRAMMARS = 256
+_GRAMMAR_CACHE_BYTES = 256 * 2**20
 
 
 class StructuredOutputs:
@@ -33,7 +32,6 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._compiler: Any = None
-        self._grammars: OrderedDict[str, Any] = OrderedDict()
         self.matchers: dict[str, Any] = {}
         """Sample request id -> its xgrammar.GrammarMatcher."""
 
@@ -51,24 +49,17 @@ class StructuredOutputs:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
             )
-            self._compiler = xgr.GrammarCompiler(info)
+            # The compiler keeps compiled grammars (a request's schema is often the last one's).
+            self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=_GRAMMAR_CACHE_BYTES)
         schema = _OBJECT_SCHEMA if spec.json_schema is None else spec.json_schema
-        grammar = self._grammars.get(schema)
-        if grammar is None:
-            try:
-                grammar = self._compiler.compile_json_schema(schema, any_whitespace=False)
-            except Exception as e:  # xgrammar raises RuntimeError with the reason
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                raise ValueError(
-                    f"structured_output (response_format): a JSON schema this server cannot "
-                    f"follow: {reason}"
-                ) from None
-            self._grammars[schema] = grammar
-            if len(self._grammars) > _CACHED_GRAMMARS:
-                self._grammars.popitem(last=False)
-        else:
-            self._grammars.move_to_end(schema)
-        return grammar
+        try:
+            return self._compiler.compile_json_schema(schema, any_whitespace=False)
+        except Exception as e:  # xgrammar raises RuntimeError with the reason
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"structured_output (response_format): a JSON schema this server cannot "
+                f"follow: {reason}"
+            ) from None
 
     def add(self, request_id: str, grammar: Any) -> None:
         import xgrammar as xgr
