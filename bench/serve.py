@@ -27,6 +27,8 @@ import asyncio
 import itertools
 import json
 import random
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -366,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, command: str | None = None) -> dict:
+    """`command`: the line recorded with the result (default: this module's own)."""
     args = build_parser().parse_args(argv)
     tokenizer = None
     if args.tokenizer is not None:
@@ -393,6 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(args, results, duration_s)
     if args.label:
         summary["label"] = args.label
+    argv = sys.argv[1:] if argv is None else argv
+    summary["command"] = command or "python -m bench.serve " + shlex.join(argv)
     if args.result_file:
         with open(args.result_file, "w") as f:
             f.write(json.dumps(summary) + "\n")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ready-timeout-s", type=float, default=900)
     parser.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
 
     workdir = Path(tempfile.mkdtemp(prefix="kvray-serve-suite-"))
     tokenizer = args.tokenizer or str(_word_tokenizer(args, workdir / "tokenizer"))
@@ -130,7 +132,8 @@ def _run(args, label: str, seed: int, load_args: list[str], tokenizer: str, targ
     ]  # fmt: skip
     if args.record:
         argv.append("--record")
-    serve_bench.main(argv)
+    # The suite's own command line reproduces the run (server included).
+    serve_bench.main(argv, command="python -m bench.serve_suite " + shlex.join(args.argv))
 
 
 def _shrunk(load_args: list[str]) -> list[str]:

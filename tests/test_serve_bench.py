@@ -70,6 +70,8 @@ def test_latency_metrics_match_the_server_timing(base_url, tmp_path):
     )  # fmt: skip
     assert summary["model"] == "scripted"
     assert summary["completed"] == 8 and summary["failed"] == 0
+    # The recorded line says how to run it again.
+    assert summary["command"].startswith(f"python -m bench.serve --base-url {base_url} ")
     assert summary["total_input_tokens"] == 8 * 12
     assert summary["total_output_tokens"] == 8 * TOKENS
     assert FIRST_DELAY_S * 1000 <= summary["p50_ttft_ms"] < FIRST_DELAY_S * 1000 + 100
