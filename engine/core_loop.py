@@ -4,10 +4,17 @@ Callers queue operations (add a request, abort one, call an engine method); `Cor
 applies them between steps and collects what the caller must hear: outputs, the requests
 that failed to add or were aborted, and call results. `AsyncEngine` drives it from a
 thread of its own process, or from the engine process (engine/core_process.py).
+
+A request with a structured output waits outside the engine while its grammar compiles on
+the engine's compile thread (seconds for some schemas), and is added once it is ready, so
+the requests already running never wait for a compile.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +66,10 @@ class Results:
         return bool(self.outputs or self.failed or self.ended or self.calls)
 
 
+# With nothing to step but grammars compiling, how long `step` waits for one of them.
+COMPILE_POLL_S = 0.005
+
+
 class CoreLoop:
     """Applies operations to an engine and steps it; knows nothing of threads or loops."""
 
@@ -66,26 +77,26 @@ class CoreLoop:
         self.engine = engine
         self.num_steps = 0
         self._live: set[str] = set()
+        self._compiling: dict[str, tuple[Future, AddOp]] = {}
+        """Structured requests whose grammar is compiling, in arrival order."""
 
     def apply(self, ops: list[Op]) -> Results:
         results = Results(num_steps=self.num_steps)
+        self._add_compiled(results)
         for op in ops:
             if isinstance(op, AddOp):
-                try:
-                    self.engine.add_request(
-                        op.request_id,
-                        op.prompt,
-                        op.sampling_params,
-                        priority=op.priority,
-                        cache_salt=op.cache_salt,
-                        arrival_time=op.arrival_time,
-                    )
-                except Exception as e:
-                    results.failed.append((op.request_id, e))
+                spec = op.sampling_params.structured_output
+                if spec is None:
+                    self._add(op, results)
                 else:
-                    self._live.add(op.request_id)
+                    if op.arrival_time is None:  # the compile counts as time in the queue
+                        op = dataclasses.replace(op, arrival_time=time.monotonic())
+                    self._compiling[op.request_id] = (self.engine.compile_grammar(spec), op)
             elif isinstance(op, AbortOp):
-                if op.request_id in self._live:
+                if op.request_id in self._compiling:
+                    self._compiling.pop(op.request_id)[0].cancel()
+                    results.ended.append(op.request_id)
+                elif op.request_id in self._live:
                     self._live.discard(op.request_id)
                     self.engine.abort_request([op.request_id])
                     results.ended.append(op.request_id)
@@ -99,12 +110,49 @@ class CoreLoop:
         return results
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        return bool(self._compiling) or self.engine.has_unfinished_requests()
 
     def step(self) -> Results:
-        outputs = self.engine.step()
-        self.num_steps += 1
-        for output in outputs:
+        results = Results()
+        self._add_compiled(results)
+        if not self.engine.has_unfinished_requests() and self._compiling:
+            futures = [future for future, _ in self._compiling.values()]
+            wait(futures, timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+            self._add_compiled(results)
+        if self.engine.has_unfinished_requests():
+            results.outputs = self.engine.step()
+            self.num_steps += 1
+        for output in results.outputs:
             if output.finished:
                 self._live.discard(output.request_id)
-        return Results(outputs=outputs, num_steps=self.num_steps)
+        results.num_steps = self.num_steps
+        return results
+
+    def _add(self, op: AddOp, results: Results, grammar: Any = None) -> None:
+        try:
+            self.engine.add_request(
+                op.request_id,
+                op.prompt,
+                op.sampling_params,
+                priority=op.priority,
+                cache_salt=op.cache_salt,
+                arrival_time=op.arrival_time,
+                grammar=grammar,
+            )
+        except Exception as e:
+            results.failed.append((op.request_id, e))
+        else:
+            self._live.add(op.request_id)
+
+    def _add_compiled(self, results: Results) -> None:
+        """Add the structured requests whose grammar is ready (or fail them)."""
+        for request_id, (future, op) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                grammar = future.result()
+            except Exception as e:
+                results.failed.append((request_id, e))
+            else:
+                self._add(op, results, grammar)

@@ -7,6 +7,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from engine.loader import ModelSource, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.structured_output import StructuredOutputs
@@ -164,8 +165,10 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        grammar: Any = None,
     ) -> None:
-        """Queue a request; ValueError for input the engine cannot serve."""
+        """Queue a request; ValueError for input the engine cannot serve. `grammar`: the one
+        `compile_grammar` returned for its structured_output (else it is compiled here)."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -176,8 +179,9 @@ class LLMEngine:
         bad = [t for t in sampling_params.logit_bias or () if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {self.vocab_size})")
-        grammar = None
-        if sampling_params.structured_output is not None:
+        if sampling_params.structured_output is None:
+            grammar = None
+        elif grammar is None:
             grammar = self.structured.grammar(sampling_params.structured_output)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         parent = _ParentRequest(
@@ -410,7 +414,13 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         return self.scheduler.stats()
 
+    def compile_grammar(self, spec: StructuredOutput) -> Future:
+        """The grammar for `spec`, compiled on a thread while the engine steps on (a Future:
+        its result goes to add_request; a schema that cannot be followed is a ValueError)."""
+        return self.structured.compile_in_background(spec)
+
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

@@ -11,7 +11,7 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.core_process import OutputDecoder, OutputEncoder
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
@@ -118,6 +118,25 @@ def test_bad_input_raises_from_generate_and_the_loop_keeps_serving(engine):
 
     outputs = asyncio.run(run())
     assert outputs[-1].finished
+    assert engine.is_healthy
+
+
+def test_structured_requests_are_checked_and_served_after_their_grammar_compiles(engine):
+    async def run():
+        bad_schema = StructuredOutput('{"type": "objectx"}')
+        with pytest.raises(ValueError, match="structured_output"):
+            await _collect(
+                engine, PROMPTS[0], "bad-schema", SamplingParams(structured_output=bad_schema)
+            )
+        any_object = SamplingParams(
+            temperature=0, max_tokens=6, structured_output=StructuredOutput()
+        )
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _collect(engine, list(range(300)), "too-long-json", any_object)
+        return await _collect(engine, PROMPTS[0], "json", any_object)
+
+    outputs = asyncio.run(run())
+    assert outputs[-1].finished and outputs[-1].outputs[0].text.startswith("{")
     assert engine.is_healthy
 
 

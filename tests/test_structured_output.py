@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutput
+from engine.async_engine import AsyncEngine
 from engine.sampler import build_sampling_batch, sample
 
 PERSON = {
@@ -119,3 +122,46 @@ def test_a_schema_that_cannot_be_followed_is_refused_and_the_engine_goes_on(llm)
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_a_schema_compiling_holds_up_no_other_request(llm, monkeypatch):
+    # Some schemas compile for seconds; the engine goes on serving the others meanwhile.
+    release = threading.Event()
+    compile_now = llm.engine.structured.grammar
+
+    def slow_grammar(spec):
+        release.wait(60)
+        return compile_now(spec)
+
+    monkeypatch.setattr(llm.engine.structured, "grammar", slow_grammar)
+    ids = _chat_ids(llm, "Give me a person as JSON with a name and an age.")
+    person = SamplingParams(
+        temperature=0.0, max_tokens=64, structured_output=StructuredOutput(json.dumps(PERSON))
+    )
+    bad = SamplingParams(max_tokens=4, structured_output=StructuredOutput('{"type": "objectx"}'))
+    free = SamplingParams(temperature=0.0, max_tokens=8)
+
+    async def outputs(request_id, params):
+        return [out async for out in engine.generate(ids, params, request_id)]
+
+    async def run():
+        shaped = asyncio.ensure_future(outputs("shaped", person))
+        dropped = asyncio.ensure_future(outputs("dropped", person))
+        plain = await asyncio.wait_for(outputs("plain", free), 60)
+        assert plain[-1].finished and len(plain[-1].outputs[0].token_ids) == 8
+        assert not shaped.done()  # still compiling
+        engine.abort("dropped")
+        assert await asyncio.wait_for(dropped, 10) == []
+        release.set()
+        with pytest.raises(ValueError, match="structured_output"):
+            await asyncio.wait_for(outputs("bad", bad), 60)
+        return (await asyncio.wait_for(shaped, 60))[-1].outputs[0]
+
+    engine = AsyncEngine(llm.engine)
+    try:
+        shaped = asyncio.run(run())
+    finally:
+        release.set()
+        engine.shutdown()
+    assert set(json.loads(shaped.text)) == {"name", "age"}
+    assert not llm.engine.has_unfinished_requests()  # the aborted one never ran
