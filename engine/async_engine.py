@@ -199,6 +199,11 @@ class AsyncEngine:
         return self._info["max_model_len"]
 
     @property
+    def num_requests(self) -> int:
+        """Requests whose streams are open (added and not yet finished or aborted)."""
+        return len(self._streams)
+
+    @property
     def num_steps(self) -> int:
         return self._num_steps
 

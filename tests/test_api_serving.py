@@ -19,7 +19,7 @@ from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.async_engine import EngineDeadError
 from engine.bundled import bundled_model_path
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampling_params import StructuredOutput
+from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.tokenizer import load_tokenizer
 
 MAX_MODEL_LEN = 64
@@ -39,6 +39,7 @@ class ScriptedEngine:
         self.fail = fail
         self.calls: list[dict] = []
         self.closed: list[str] = []
+        self.num_requests = 0
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -48,6 +49,7 @@ class ScriptedEngine:
             dict(prompt=prompt, params=sampling_params, priority=priority, cache_salt=cache_salt)
         )
         finished = False
+        self.num_requests += 1
         try:
             if self.fail is not None:
                 raise self.fail
@@ -61,6 +63,7 @@ class ScriptedEngine:
                 ]
                 yield RequestOutput(request_id, None, list(prompt), outputs, finished)
         finally:
+            self.num_requests -= 1
             if not finished:
                 self.closed.append(request_id)
 
@@ -348,9 +351,10 @@ def test_models_lists_the_served_model(tokenizer):
     assert [m["id"] for m in models["data"]] == ["scripted"]
 
 
-def test_long_prompts_tokenize_while_the_event_loop_serves_others(tokenizer, monkeypatch):
-    """Tokenizing a long prompt (completion or chat) leaves the event loop free: another
-    coroutine runs meanwhile. Each blocking tokenizer below returns only after it has."""
+def test_long_prompts_tokenize_while_the_event_loop_streams_other_requests(tokenizer, monkeypatch):
+    """With another request in flight, tokenizing a long prompt (completion or chat) leaves
+    the event loop free: the other request's next output arrives meanwhile. Each blocking
+    tokenizer below returns only after it has."""
     loop_ran = threading.Event()
 
     def after_the_loop_ran(ids):
@@ -367,17 +371,24 @@ def test_long_prompts_tokenize_while_the_event_loop_serves_others(tokenizer, mon
             tok.encode("Count", add_special_tokens=False)
         ),
     )
-    serving = OpenAIServing(SlowTokenizing(tokenizer))
+    engine = SlowTokenizing(tokenizer, step_delay_s=0.01)
+    serving = OpenAIServing(engine)
     long_text = "word " * 1000
 
     async def run(create, request):
         loop_ran.clear()
+        streaming = asyncio.Event()
 
         async def other_request():
-            await asyncio.sleep(0.01)
-            loop_ran.set()
+            params = SamplingParams(max_tokens=3)
+            async for out in engine.generate([1, 2], params, "other"):
+                if len(out.outputs[0].token_ids) == 1:
+                    streaming.set()
+                else:
+                    loop_ran.set()
 
         other = asyncio.create_task(other_request())
+        await streaming.wait()
         response = await create(request)
         await other
         return response
@@ -391,3 +402,20 @@ def test_long_prompts_tokenize_while_the_event_loop_serves_others(tokenizer, mon
     chat_request = _chat(messages=[{"role": "user", "content": long_text}], max_tokens=2)
     chat = asyncio.run(run(serving.create_chat_completion, chat_request))
     assert chat.usage.prompt_tokens == len(tokenizer.encode("Count", add_special_tokens=False))
+
+
+def test_a_long_prompt_with_nothing_else_in_flight_tokenizes_without_a_thread_hop(tokenizer):
+    threads = []
+
+    class Recording(ScriptedEngine):
+        def encode(self, prompt: str) -> list[int]:
+            threads.append(threading.current_thread())
+            return super().encode("Count:")
+
+    serving = OpenAIServing(Recording(tokenizer))
+
+    async def run():
+        await serving.create_completion(_completion(prompt="word " * 1000, max_tokens=2))
+        return threading.current_thread()
+
+    assert threads == [asyncio.run(run())]

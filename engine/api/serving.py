@@ -42,13 +42,14 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 
-# Prompt text of at least this many characters is tokenized on a worker thread, so that the
-# event loop goes on streaming other requests meanwhile (the Rust tokenizer releases the
-# GIL, and several prompts of one burst tokenize side by side). On an H200 host 1,024 words
-# (about 6,000 characters) took 2-3 ms on a replica's loop with the offsets-tracking encode;
-# the fast encode (engine.tokenizer.encode_text) takes about a third of that, so the
-# threshold may now be low (not re-measured). Handing work to a thread and back costs
-# about a tenth of a millisecond, more than a short prompt's tokenization.
+# Prompt text of at least this many characters is tokenized on a worker thread while other
+# requests are in flight, so that the event loop goes on streaming them meanwhile (the Rust
+# tokenizer releases the GIL, and several prompts of one burst tokenize side by side). On an
+# H200 host 1,024 words (about 6,000 characters) took 2-3 ms on a replica's loop with the
+# offsets-tracking encode; the fast encode (engine.tokenizer.encode_text) takes about a third
+# of that. Handing work to a thread and back costs about a tenth of a millisecond (0.14 ms
+# on a 2-core machine), more than a short prompt's tokenization, and with nothing else in
+# flight that is all the thread would change: the first token would come that much later.
 TOKENIZE_ON_THREAD_CHARS = 2048
 TOKENIZE_THREADS = 4
 
@@ -81,6 +82,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.token_text = TokenText(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "kvray-tokenize")
+        self._tokenizing = 0
+        """Prompts on the tokenizer threads now."""
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
@@ -168,10 +171,17 @@ class OpenAIServing:
             raise APIError(f"messages: {e}", param="messages") from None
 
     async def _tokenize(self, num_chars: int, fn: Any, *args: Any) -> Any:
-        """fn(*args) here for short text, else on the tokenizer threads."""
-        if num_chars < TOKENIZE_ON_THREAD_CHARS:
+        """fn(*args) here for short text or with no other request in flight, else on the
+        tokenizer threads."""
+        alone = self.engine.num_requests == 0 and self._tokenizing == 0
+        if num_chars < TOKENIZE_ON_THREAD_CHARS or alone:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+        self._tokenizing += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._tokenize_pool, fn, *args)
+        finally:
+            self._tokenizing -= 1
 
     async def _run(
         self,
