@@ -203,7 +203,9 @@ def _seq_partition(seq_len, num_splits, max_partition, BLOCK_N: tl.constexpr):
     return tl.minimum(tl.maximum(part, MIN_PARTITION), max_partition)
 
 
-@triton.jit(do_not_specialize=["partition_size", "stride_bt", "stride_lb"])
+# Triton compiles a variant for each divisibility of an integer argument by 16; the split
+# count's strides (stride_lb, stride_lh) would make splits of 9 and of 16 two compiles.
+@triton.jit(do_not_specialize=["partition_size", "stride_bt", "stride_lb", "stride_lh"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,

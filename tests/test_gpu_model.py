@@ -153,3 +153,46 @@ def test_piecewise_graphs_bf16_match_eager_steps(model_dir):
     fast = _run(model_dir, prompts, enforce_eager=False, prefill_cuda_graph_tokens=256, **args)
     eager = _run(model_dir, prompts, enforce_eager=True, **args)
     assert _matched_steps(fast, eager, BF16_LOGPROB_TOL) >= len(prompts) * 4
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_serving_after_the_start_compiles_no_kernel(model_dir, enforce_eager):
+    """The engine's start (profile run, graph capture, warm-up) compiles every Triton kernel
+    variant that serving needs: one compiled on first use stalls the whole step, for
+    hundreds of milliseconds on a machine whose Triton cache is cold. Serving here: prompts
+    of 1 to 400 tokens arriving beside running decodes, one or two at a time, chunked at a
+    512-token budget, greedy and sampled, steps over the graphs' token cap run eagerly."""
+    from tests.kernel_variants import new_kernel_variants
+
+    llm = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        prefill_cuda_graph_tokens=256,
+        enforce_eager=enforce_eager,
+        gpu_memory_utilization=0.3,
+    )
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(3)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=gen))
+
+    with new_kernel_variants() as compiled:
+        for i in range(48):
+            params = SamplingParams(
+                temperature=0.0 if i % 3 else 1.0,
+                seed=i,
+                max_tokens=draw(1, 64),
+                ignore_eos=True,
+            )
+            prompt = torch.randint(0, 2048, (draw(1, 400),), generator=gen).tolist()
+            engine.add_request(f"r{i}", prompt, params)
+            for _ in range(i % 4):  # 0: the next one arrives in the same step
+                engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.shutdown()
+    assert compiled == [], "compiled while serving:\n" + "\n".join(compiled)

@@ -449,6 +449,24 @@ def test_decode_warm_up_leaves_the_kernel_ready_for_real_batches():
         assert_matches(paged_attention_triton(**batch, num_splits=num_splits), run_ref(batch))
 
 
+@gpu_test
+def test_after_the_decode_warm_up_no_split_count_compiles_a_kernel():
+    # Steps without CUDA graphs pick any split count from 1 to DECODE_MAX_SPLITS.
+    from kernels.triton_attention import (
+        DECODE_MAX_SPLITS,
+        paged_attention_triton,
+        warm_up_decode,
+    )
+    from tests.kernel_variants import new_kernel_variants
+
+    batch = make_paged_batch([1] * 3, [15, 1000, 2049], 32, 8, 128, 16, HALF, DEVICE)
+    warm_up_decode(batch["kv_cache"], num_heads=32, scale=batch["scale"])
+    with new_kernel_variants() as compiled:
+        for num_splits in range(1, DECODE_MAX_SPLITS + 1):
+            paged_attention_triton(**batch, num_splits=num_splits)
+    assert compiled == []
+
+
 @triton_test
 def test_triton_paged_decode_spreads_short_contexts_over_a_graph_sized_grid():
     from kernels.triton_attention import paged_attention_triton
