@@ -131,6 +131,11 @@ class RayWorker:
     def weight_bytes(self) -> int:
         return self.worker.weight_bytes()
 
+    # The compiled graph's loop holds the default group once steps have run.
+    @ray.method(concurrency_group="health")
+    def warn_of_late_kernel_variants(self) -> None:
+        self.worker.warn_of_late_kernel_variants()
+
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         return True
@@ -364,6 +369,9 @@ class RayActorGroupExecutor(Executor):
         if self._dead is not None:
             raise self._dead
         self._get([w.ping.remote() for w in self.workers], HEALTH_TIMEOUT_S)
+
+    def warn_of_late_kernel_variants(self) -> None:
+        self._get([w.warn_of_late_kernel_variants.remote() for w in self.workers])
 
     def step_weight_bytes(self) -> int:
         sizes = self._get([w.weight_bytes.remote() for w in self.workers])

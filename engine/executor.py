@@ -60,6 +60,9 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
+    def warn_of_late_kernel_variants(self) -> None:
+        """From now on every rank warns of each Triton kernel it builds (engine/worker.py)."""
+
     def step_weight_bytes(self) -> int:
         """Weight bytes one decode step streams on its critical path: the largest
         tensor-parallel shard of each pipeline stage, summed over stages."""
@@ -96,6 +99,9 @@ class UniProcExecutor(Executor):
 
     def step_weight_bytes(self) -> int:
         return self.worker.weight_bytes()
+
+    def warn_of_late_kernel_variants(self) -> None:
+        self.worker.warn_of_late_kernel_variants()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         return self.worker.execute_model_async(scheduler_output)

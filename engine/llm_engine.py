@@ -95,6 +95,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_id)
         if config.device == "cuda":
             self.warm_up()
+            self.executor.warn_of_late_kernel_variants()
 
     def warm_up(self) -> None:
         """A few tiny requests through a prefill over a block table, decodes, a step that

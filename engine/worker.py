@@ -67,6 +67,14 @@ class Worker:
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)
 
+    def warn_of_late_kernel_variants(self) -> None:
+        """Log each Triton kernel variant this process builds from now on (the engine calls
+        it once its warm-up is done)."""
+        if self.device.type == "cuda":
+            from kernels.variants import warn_of_late_kernel_variants
+
+            warn_of_late_kernel_variants()
+
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (tied weights counted once)."""
         seen: set[int] = set()

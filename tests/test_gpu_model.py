@@ -156,13 +156,13 @@ def test_piecewise_graphs_bf16_match_eager_steps(model_dir):
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_serving_after_the_start_compiles_no_kernel(model_dir, enforce_eager):
+def test_serving_after_the_start_compiles_no_kernel(model_dir, enforce_eager, caplog):
     """The engine's start (profile run, graph capture, warm-up) compiles every Triton kernel
     variant that serving needs: one compiled on first use stalls the whole step, for
     hundreds of milliseconds on a machine whose Triton cache is cold. Serving here: prompts
     of 1 to 400 tokens arriving beside running decodes, one or two at a time, chunked at a
     512-token budget, greedy and sampled, steps over the graphs' token cap run eagerly."""
-    from tests.kernel_variants import new_kernel_variants
+    from kernels.variants import new_kernel_variants
 
     llm = LLM(
         model=model_dir,
@@ -194,5 +194,17 @@ def test_serving_after_the_start_compiles_no_kernel(model_dir, enforce_eager):
                 engine.step()
         while engine.has_unfinished_requests():
             engine.step()
-    engine.shutdown()
     assert compiled == [], "compiled while serving:\n" + "\n".join(compiled)
+    # Outside the probe the engine's own watch is back: a kernel built now is logged.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fill_one(out_ptr):  # a new kernel on each run of this test: never built before
+        tl.store(out_ptr, 1.0)
+
+    out = torch.zeros(1, device="cuda")
+    with caplog.at_level("WARNING", logger="kernels.variants"):
+        _fill_one[(1,)](out)
+    assert "_fill_one" in caplog.text and out.item() == 1.0
+    engine.shutdown()

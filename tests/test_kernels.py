@@ -457,7 +457,7 @@ def test_after_the_decode_warm_up_no_split_count_compiles_a_kernel():
         paged_attention_triton,
         warm_up_decode,
     )
-    from tests.kernel_variants import new_kernel_variants
+    from kernels.variants import new_kernel_variants
 
     batch = make_paged_batch([1] * 3, [15, 1000, 2049], 32, 8, 128, 16, HALF, DEVICE)
     warm_up_decode(batch["kv_cache"], num_heads=32, scale=batch["scale"])
