@@ -40,7 +40,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 summary='import sys, json
 keys = ("bench", "workload", "label", "serve_ready_s", "ms_per_token", "roofline_ms_per_token",
         "output_tok_s", "total_tok_s", "baseline_output_tok_s", "p50_ttft_ms", "p99_ttft_ms",
-        "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "total_token_throughput", "startup_s")
+        "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "total_token_throughput", "startup_s",
+        "slowest_ttft_ms_at_s")
 for line in sys.stdin:
     if line.startswith("{"):
         d = json.loads(line)

@@ -46,6 +46,8 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
+    sent_at: float = 0.0
+    """time.perf_counter() when the request went out."""
 
     @property
     def tpot_s(self) -> float | None:
@@ -112,7 +114,7 @@ async def send(
     else:
         body["prompt"] = prompt
     result = RequestResult(ok=False, prompt_len=prompt_len)
-    start = last = time.perf_counter()
+    start = last = result.sent_at = time.perf_counter()
     chunks = 0
     try:
         async with session.post(args.base_url + args.endpoint, json=body) as response:
@@ -164,7 +166,7 @@ async def send_in_process(
         max_tokens=max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
     )
     result = RequestResult(ok=False, prompt_len=prompt_len)
-    start = last = time.perf_counter()
+    start = last = result.sent_at = time.perf_counter()
     num_tokens = 0
     try:
         ids = engine.encode(prompt) if isinstance(prompt, str) else prompt
@@ -284,6 +286,14 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration_s
         good = sum(1 for r in done if _meets(r, slo))
         out["goodput_slo_ms"] = slo
         out["goodput"] = round(good / duration_s, 3)
+    if done:
+        # Where the slowest first tokens fall in the run: all at its start points to work
+        # done on first use, spread over it to the load.
+        first_sent = min(r.sent_at for r in results)
+        slowest = sorted(done, key=lambda r: r.ttft_s, reverse=True)[:5]
+        out["slowest_ttft_ms_at_s"] = [
+            [round(r.ttft_s * 1000, 1), round(r.sent_at - first_sent, 2)] for r in slowest
+        ]
     errors = [r.error for r in results if not r.ok]
     if errors:
         out["first_error"] = errors[0]

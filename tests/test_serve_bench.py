@@ -79,6 +79,12 @@ def test_latency_metrics_match_the_server_timing(base_url, tmp_path):
     assert GAP_S * 1000 <= summary["mean_tpot_ms"] < GAP_S * 1000 + 50
     assert summary["p99_e2el_ms"] >= summary["p50_e2el_ms"] >= summary["p50_ttft_ms"]
     assert summary["goodput"] == summary["request_throughput"]
+    slowest = summary["slowest_ttft_ms_at_s"]  # [first token ms, sent at s into the run]
+    ttfts = [ms for ms, _ in slowest]
+    assert len(slowest) == 5 and ttfts == sorted(ttfts, reverse=True)
+    assert ttfts[0] >= summary["p50_ttft_ms"] - 0.1 and ttfts[-1] >= FIRST_DELAY_S * 1000
+    assert all(0 <= at <= summary["duration_s"] for _, at in slowest)
+
     assert json.loads(out.read_text()) == summary
 
 
