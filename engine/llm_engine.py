@@ -99,10 +99,11 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """A few tiny requests through a prefill over a block table, decodes, a step that
-        mixes a decode with a prefill, greedy and random sampling, and a step for each
-        prefill attention tile size: Triton compiles these kernels now, not during the
-        first requests (a short prompt or a chunk's short remainder picks a smaller tile
-        than a long one). They leave nothing behind: no cached blocks, no prefix-cache
+        mixes a decode with a prefill, steps that sample only at random, only greedily and
+        both, and a step for each prefill attention tile size: Triton compiles these
+        kernels now, not during the first requests (a short prompt or a chunk's short
+        remainder picks a smaller tile than a long one; the sampling kernel has a variant
+        for each mix). They leave nothing behind: no cached blocks, no prefix-cache
         counts."""
         from kernels.triton_attention import prefill_tile_query_lens
 
@@ -114,7 +115,8 @@ class LLMEngine:
         group = hf.num_attention_heads // kv_heads
         tiles = prefill_tile_query_lens(group, self.config.model.dtype == "float32")
         token = min(self.vocab_size - 2 - len(tiles), 100)
-        prompts = [(40, 0.0), (17, 1.0)] + [(length, 0.0) for length in tiles]
+        # The random one alone first, then beside greedy ones, then greedy ones alone.
+        prompts = [(17, 1.0), (40, 0.0)] + [(length, 0.0) for length in tiles]
         for i, (length, temperature) in enumerate(prompts):
             params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
             self.add_request(f"kvray-warm-up-{i}", [token + i] * min(length, room), params)

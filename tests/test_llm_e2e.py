@@ -290,28 +290,45 @@ def test_warm_up_leaves_no_state_behind():
 
 @pytest.fixture(scope="module")
 def warm_up_steps():
-    """(engine, [(num_decodes, max_query_len)] of each step its warm_up() ran)."""
+    """(engine, [(num_decodes, max_query_len)] of each step its warm_up() ran, the kind of
+    each step's sampling: "greedy", "random" or "mixed")."""
+    import engine.model_runner as model_runner
+
     engine = LLM(max_model_len=256).engine
     runner = engine.executor.worker.runner
-    steps = []
-    prepare = runner.prepare_inputs
+    steps, sampled = [], []
+    prepare, sample = runner.prepare_inputs, model_runner.sample_on_device
 
     def spy(out):
         inputs = prepare(out)
         steps.append((inputs.attn_metadata.num_decodes, inputs.attn_metadata.max_query_len))
         return inputs
 
-    runner.prepare_inputs = spy
-    engine.warm_up()
-    runner.prepare_inputs = prepare
-    return engine, steps
+    def sampling_spy(logits, batch):
+        mixed = "mixed" if batch.greedy is not None else "random"
+        sampled.append("greedy" if batch.all_greedy else mixed)
+        return sample(logits, batch)
+
+    runner.prepare_inputs, model_runner.sample_on_device = spy, sampling_spy
+    try:
+        engine.warm_up()
+    finally:
+        runner.prepare_inputs, model_runner.sample_on_device = prepare, sample
+    return engine, steps, sampled
 
 
 def test_warm_up_runs_a_batch_that_mixes_a_decode_with_a_prefill(warm_up_steps):
     # A GPU launches a kernel variant for the decodes of a mixed batch that Triton must
     # compile before the first user's batch, not in it.
-    _, steps = warm_up_steps
+    _, steps, _ = warm_up_steps
     assert any(decodes >= 1 and longest > 1 for decodes, longest in steps), steps
+
+
+def test_warm_up_samples_greedily_at_random_and_both_in_one_step(warm_up_steps):
+    # The GPU's sampling kernel has a variant for each: a user's first batch of one kind
+    # would otherwise wait for its compile.
+    _, _, sampled = warm_up_steps
+    assert set(sampled) == {"greedy", "random", "mixed"}, sampled
 
 
 def test_warm_up_runs_a_prefill_of_every_attention_tile_size(warm_up_steps):
@@ -319,7 +336,7 @@ def test_warm_up_runs_a_prefill_of_every_attention_tile_size(warm_up_steps):
     # Triton compile a user's short prompt would otherwise wait for.
     from kernels.triton_attention import prefill_block_m
 
-    engine, steps = warm_up_steps
+    engine, steps, _ = warm_up_steps
     hf = engine.hf_config
     group = hf.num_attention_heads // hf.num_key_value_heads
     float32 = engine.config.model.dtype == "float32"
