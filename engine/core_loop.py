@@ -82,7 +82,6 @@ class CoreLoop:
 
     def apply(self, ops: list[Op]) -> Results:
         results = Results(num_steps=self.num_steps)
-        self._add_compiled(results)
         for op in ops:
             if isinstance(op, AddOp):
                 spec = op.sampling_params.structured_output
@@ -113,6 +112,8 @@ class CoreLoop:
         return bool(self._compiling) or self.engine.has_unfinished_requests()
 
     def step(self) -> Results:
+        """Add the structured requests whose grammar is ready, then step the engine (with
+        only compiles pending, wait for one a moment instead)."""
         results = Results()
         self._add_compiled(results)
         if not self.engine.has_unfinished_requests() and self._compiling:

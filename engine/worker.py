@@ -69,11 +69,10 @@ class Worker:
 
     def warn_of_late_kernel_variants(self) -> None:
         """Log each Triton kernel variant this process builds from now on (the engine calls
-        it once its warm-up is done)."""
-        if self.device.type == "cuda":
-            from kernels.variants import warn_of_late_kernel_variants
+        it on a GPU once its warm-up is done)."""
+        from kernels.variants import warn_of_late_kernel_variants
 
-            warn_of_late_kernel_variants()
+        warn_of_late_kernel_variants()
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (tied weights counted once)."""
