@@ -127,7 +127,10 @@ async def send(
                     continue
                 payload = line[6:]
                 if payload == b"[DONE]":
-                    break
+                    # Read on to the end of the response (as a client library does): a
+                    # response left unfinished closes its connection, and the next request
+                    # would pay for a new one.
+                    continue
                 data = json.loads(payload)
                 if "error" in data:
                     result.error = data["error"].get("message", str(data["error"]))

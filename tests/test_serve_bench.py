@@ -17,7 +17,11 @@ FIRST_DELAY_S = 0.05
 GAP_S = 0.02
 
 
+CLIENT_PORTS: list[int] = []
+
+
 async def _completions(request: web.Request) -> web.StreamResponse:
+    CLIENT_PORTS.append(request.transport.get_extra_info("peername")[1])
     body = await request.json()
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     if body["max_tokens"] > 100:
@@ -86,6 +90,19 @@ def test_latency_metrics_match_the_server_timing(base_url, tmp_path):
     assert all(0 <= at <= summary["duration_s"] for _, at in slowest)
 
     assert json.loads(out.read_text()) == summary
+
+
+def test_one_client_at_a_time_keeps_its_connection(base_url):
+    # A new connection for every request would add its set-up to each first token.
+    CLIENT_PORTS.clear()
+    summary = bench.main(
+        [
+            "--base-url", base_url, "--num-prompts", "6", "--max-concurrency", "1",
+            "--random-input-len", "4", "--random-output-len", "5",
+        ]
+    )  # fmt: skip
+    assert summary["completed"] == 6
+    assert len(CLIENT_PORTS) == 6 and len(set(CLIENT_PORTS)) == 1
 
 
 def test_slo_misses_lower_goodput_and_failures_are_counted(base_url):
