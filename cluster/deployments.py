@@ -44,6 +44,7 @@ from engine.api.protocol import (
     validation_error,
 )
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
+from engine.gc_pauses import freeze_startup_heap
 
 logger = logging.getLogger("ray.serve")
 
@@ -123,6 +124,7 @@ class EngineHost:
 class LLMServer(EngineHost):
     async def __init__(self, config: AppConfig) -> None:
         await self.start(config)
+        freeze_startup_heap()
 
     def __del__(self) -> None:
         self.shutdown()
@@ -317,6 +319,7 @@ class OpenAIIngress:
         self.resolver = TenantResolver(config.api_keys, config.tenants)
         self._models: dict | None = None
         self.tenant_metrics = TenantMetrics(RayMetricsSink())
+        freeze_startup_heap()
 
     async def stats(self) -> dict:
         """The engine's counters (tests and tools; not an HTTP route)."""

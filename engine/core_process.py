@@ -24,6 +24,7 @@ from os.path import commonprefix
 from typing import Any
 
 from engine.core_loop import CoreLoop, Op, Results
+from engine.gc_pauses import freeze_startup_heap
 from engine.outputs import CompletionOutput, RequestOutput
 
 # A delta of one request: (request_id, finished, num_cached_tokens, (prompt, prompt ids) on
@@ -195,6 +196,7 @@ def run_engine_process(engine_args: dict, conn: Any) -> None:
     except BaseException as e:
         conn.send(("dead", f"the engine failed to start: {type(e).__name__}: {e}"))
         return
+    freeze_startup_heap()
     conn.send(
         (
             "ready",

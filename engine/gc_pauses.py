@@ -1,0 +1,54 @@
+"""Garbage-collector pauses of a serving process.
+
+Python's collector stops the process while it runs, and a full collection walks every
+object the process holds. After start-up that is torch, transformers, the model's code
+and, in a replica, Ray and Serve: 365,000 objects and 200 ms a full collection in an
+engine holding SmolLM2 (2-core box). Serving allocates enough for one every few tens of
+seconds, and each stalls every request's step or stream. `freeze_startup_heap` moves what
+start-up left out of the collector's reach (`gc.freeze`), so a later collection walks only
+what serving allocated since; it is for processes that serve until they exit (an engine
+process, a Serve replica), since anything frozen is never collected.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+_threshold_s: float | None = None
+"""Collections longer than this are logged; None: not watched yet."""
+_started: list[float] = []
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, freeze what is left, and from now on warn of each collection over
+    50 ms."""
+    gc.collect()
+    gc.freeze()
+    warn_of_slow_collections()
+
+
+def warn_of_slow_collections(threshold_s: float = 0.05) -> None:
+    """Log a warning for each collection of this process that takes over `threshold_s`."""
+    global _threshold_s
+    if _threshold_s is None:
+        gc.callbacks.append(_on_collection)
+    _threshold_s = threshold_s
+
+
+def _on_collection(phase: str, info: dict) -> None:
+    if phase == "start":
+        _started.append(time.perf_counter())
+    elif _started:
+        pause = time.perf_counter() - _started.pop()
+        if _threshold_s is not None and pause > _threshold_s:
+            logger.warning(
+                "a garbage collection (generation %d, %d objects collected) paused this "
+                "process for %.0f ms",
+                info["generation"],
+                info["collected"],
+                pause * 1e3,
+            )

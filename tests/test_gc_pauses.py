@@ -1,0 +1,37 @@
+"""A serving process's start-up heap is out of the garbage collector's reach, and a slow
+collection is reported."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+from engine import gc_pauses
+
+
+def test_a_frozen_start_up_is_not_walked_by_later_collections():
+    before_start = [[i] for i in range(100)]
+    try:
+        gc_pauses.freeze_startup_heap()
+        after_start = [[i] for i in range(100)]
+        tracked = {id(o) for o in gc.get_objects()}
+        # A collection walks the objects the collector tracks: only what came later.
+        assert not any(id(o) in tracked for o in before_start)
+        assert all(id(o) in tracked for o in after_start)
+    finally:
+        gc.unfreeze()
+
+
+def test_a_collection_over_the_threshold_is_logged(caplog):
+    try:
+        gc_pauses.warn_of_slow_collections(threshold_s=0.0)
+        with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):
+            gc.collect()
+        assert "garbage collection (generation 2" in caplog.text
+        caplog.clear()
+        gc_pauses.warn_of_slow_collections(threshold_s=60.0)
+        with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):
+            gc.collect()
+        assert "garbage collection" not in caplog.text
+    finally:
+        gc_pauses.warn_of_slow_collections()
