@@ -44,7 +44,7 @@ from engine.api.protocol import (
     validation_error,
 )
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
-from engine.gc_pauses import freeze_startup_heap
+from engine.gc_pauses import warn_of_slow_collections
 
 logger = logging.getLogger("ray.serve")
 
@@ -70,6 +70,9 @@ class EngineHost:
     """A replica's engine and its OpenAI serving layer (LLMServer's methods)."""
 
     async def start(self, config: AppConfig) -> None:
+        # Serve freezes a replica's start-up heap once its __init__ returns
+        # (RAY_SERVE_FREEZE_GC_ON_STARTUP); the engine process freezes its own.
+        warn_of_slow_collections()
         # A replica runs its code on its main loop, which should keep answering Serve
         # (health checks, metrics) while the model loads: build the engine on a thread.
         self.engine = await asyncio.to_thread(make_engine, config)
@@ -124,7 +127,6 @@ class EngineHost:
 class LLMServer(EngineHost):
     async def __init__(self, config: AppConfig) -> None:
         await self.start(config)
-        freeze_startup_heap()
 
     def __del__(self) -> None:
         self.shutdown()
@@ -319,7 +321,6 @@ class OpenAIIngress:
         self.resolver = TenantResolver(config.api_keys, config.tenants)
         self._models: dict | None = None
         self.tenant_metrics = TenantMetrics(RayMetricsSink())
-        freeze_startup_heap()
 
     async def stats(self) -> dict:
         """The engine's counters (tests and tools; not an HTTP route)."""

@@ -28,6 +28,7 @@ from cluster.topology import free_port
 from engine.config import EngineConfig
 from engine.distributed import check_parallel_sizes, destroy_distributed, init_distributed
 from engine.executor import Executor
+from engine.gc_pauses import freeze_startup_heap
 from engine.loader import ModelSource
 from engine.model_runner import PendingRunnerOutput
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -135,6 +136,10 @@ class RayWorker:
     @ray.method(concurrency_group="health")
     def warn_of_late_kernel_variants(self) -> None:
         self.worker.warn_of_late_kernel_variants()
+
+    @ray.method(concurrency_group="health")
+    def freeze_startup_heap(self) -> None:
+        freeze_startup_heap()
 
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
@@ -372,6 +377,9 @@ class RayActorGroupExecutor(Executor):
 
     def warn_of_late_kernel_variants(self) -> None:
         self._get([w.warn_of_late_kernel_variants.remote() for w in self.workers])
+
+    def freeze_worker_heaps(self) -> None:
+        self._get([w.freeze_startup_heap.remote() for w in self.workers])
 
     def step_weight_bytes(self) -> int:
         sizes = self._get([w.weight_bytes.remote() for w in self.workers])

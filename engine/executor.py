@@ -63,6 +63,10 @@ class Executor(ABC):
     def warn_of_late_kernel_variants(self) -> None:
         """From now on every rank warns of each Triton kernel it builds (engine/worker.py)."""
 
+    def freeze_worker_heaps(self) -> None:
+        """Every rank that runs in a process of its own freezes its start-up heap
+        (engine/gc_pauses.py); the engine's own process is left to whoever owns it."""
+
     def step_weight_bytes(self) -> int:
         """Weight bytes one decode step streams on its critical path: the largest
         tensor-parallel shard of each pipeline stage, summed over stages."""

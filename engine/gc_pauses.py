@@ -6,14 +6,16 @@ and, in a replica, Ray and Serve: 365,000 objects and 200 ms a full collection i
 engine holding SmolLM2 (2-core box). Serving allocates enough for one every few tens of
 seconds, and each stalls every request's step or stream. `freeze_startup_heap` moves what
 start-up left out of the collector's reach (`gc.freeze`), so a later collection walks only
-what serving allocated since; it is for processes that serve until they exit (an engine
-process, a Serve replica), since anything frozen is never collected.
+what serving allocated since. It is for processes that serve until they exit, since
+anything frozen is never collected: the engine process and a parallel group's workers
+(Ray Serve freezes its replicas itself once their __init__ returns).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import sys
 import time
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ def warn_of_slow_collections(threshold_s: float = 0.05) -> None:
 
 
 def _on_collection(phase: str, info: dict) -> None:
+    if sys.is_finalizing():  # the collections of the exit; stderr may be closed
+        return
     if phase == "start":
         _started.append(time.perf_counter())
     elif _started:

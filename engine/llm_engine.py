@@ -96,6 +96,7 @@ class LLMEngine:
         if config.device == "cuda":
             self.warm_up()
             self.executor.warn_of_late_kernel_variants()
+        self.executor.freeze_worker_heaps()
 
     def warm_up(self) -> None:
         """A few tiny requests through a prefill over a block table, decodes, a step that

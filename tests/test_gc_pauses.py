@@ -6,7 +6,18 @@ from __future__ import annotations
 import gc
 import logging
 
+import pytest
+
 from engine import gc_pauses
+
+
+@pytest.fixture(autouse=True)
+def _own_collector_callbacks(monkeypatch):
+    """The test process leaves with the collector callbacks it came with."""
+    callbacks = list(gc.callbacks)
+    monkeypatch.setattr(gc_pauses, "_threshold_s", None)
+    yield
+    gc.callbacks[:] = callbacks
 
 
 def test_a_frozen_start_up_is_not_walked_by_later_collections():
@@ -23,15 +34,12 @@ def test_a_frozen_start_up_is_not_walked_by_later_collections():
 
 
 def test_a_collection_over_the_threshold_is_logged(caplog):
-    try:
-        gc_pauses.warn_of_slow_collections(threshold_s=0.0)
-        with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):
-            gc.collect()
-        assert "garbage collection (generation 2" in caplog.text
-        caplog.clear()
-        gc_pauses.warn_of_slow_collections(threshold_s=60.0)
-        with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):
-            gc.collect()
-        assert "garbage collection" not in caplog.text
-    finally:
-        gc_pauses.warn_of_slow_collections()
+    gc_pauses.warn_of_slow_collections(threshold_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):
+        gc.collect()
+    assert "garbage collection (generation 2" in caplog.text
+    caplog.clear()
+    gc_pauses.warn_of_slow_collections(threshold_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):
+        gc.collect()
+    assert "garbage collection" not in caplog.text

@@ -7,6 +7,7 @@ All modules share one local Ray instance (tests/test_serve_support.start_ray).
 from __future__ import annotations
 
 import functools
+import gc
 import time
 
 import psutil
@@ -119,6 +120,11 @@ def test_smollm2_parallel_greedy_equals_tp1(
         sequence_parallel_min_tokens=sequence_parallel_min_tokens,
     )
     try:
+        # The ranks serve until they exit: their start-up heaps are out of the collector's
+        # reach (engine/gc_pauses.py), so no full collection stalls the group's steps.
+        workers = llm.engine.executor.workers
+        frozen = ray.get([w.__ray_call__.remote(lambda _: gc.get_freeze_count()) for w in workers])
+        assert min(frozen) > 10_000, frozen
         in_flight = record_steps_in_flight(llm.engine)
         assert _tokens(llm, TEXT_PROMPTS) == smollm2[1]
         # Tensor-parallel ranks overlap step t+1 with step t (each feeds its decodes the
