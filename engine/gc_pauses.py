@@ -13,10 +13,12 @@ anything frozen is never collected: the engine process and a parallel group's wo
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
 import time
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,22 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     warn_of_slow_collections()
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Inside the block, collections skip every object that existed when it began; after it
+    they walk them again. For a run in a process that is not only the engine's (an offline
+    `LLM.generate`): a 1,000-prompt run on the 2-core box had one full collection of 264 ms.
+    Where a heap is frozen already (a serving process) it changes nothing."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def warn_of_slow_collections(threshold_s: float = 0.05) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from engine.config import EngineConfig, UsageContext
 from engine.executor import Executor, PendingOutput, get_executor_class
+from engine.gc_pauses import frozen_heap
 from engine.loader import ModelSource, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -514,10 +515,11 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+        with frozen_heap():
+            while len(finished) < len(ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
         return [finished[rid] for rid in ids]
 
     def chat(

@@ -43,3 +43,25 @@ def test_a_collection_over_the_threshold_is_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):
         gc.collect()
     assert "garbage collection" not in caplog.text
+
+
+def test_offline_generate_keeps_the_callers_heap_from_the_collector_only_while_it_runs():
+    from engine import LLM, SamplingParams
+
+    llm = LLM("tiny-llama", load_format="dummy", max_model_len=64, num_gpu_blocks=64)
+    callers = [[i] for i in range(100)]
+    frozen_during_steps = []
+    step = llm.engine.step
+
+    def recording_step():
+        frozen_during_steps.append(gc.get_freeze_count())
+        return step()
+
+    llm.engine.step = recording_step
+    outputs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    assert frozen_during_steps and min(frozen_during_steps) > 100
+    # Afterwards the collector walks the caller's objects again.
+    assert gc.get_freeze_count() == 0
+    tracked = {id(o) for o in gc.get_objects()}
+    assert all(id(o) in tracked for o in callers)
