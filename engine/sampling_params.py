@@ -32,6 +32,10 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class StructuredOutputError(ValueError):
+    """A structured_output (OpenAI's response_format) this server cannot follow."""
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Constrain a request's output to JSON: any JSON object when json_schema is None
@@ -41,7 +45,7 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if self.json_schema is not None and not isinstance(self.json_schema, str):
-            raise ValueError(
+            raise StructuredOutputError(
                 f"structured_output.json_schema must be JSON Schema text, got "
                 f"{type(self.json_schema).__name__}"
             )

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.sampling_params import StructuredOutput
+from engine.sampling_params import StructuredOutput, StructuredOutputError
 
 _OBJECT_SCHEMA = json.dumps({"type": "object"})
 """OpenAI's json_object: any JSON object."""
@@ -49,7 +49,7 @@ class StructuredOutputs:
         import xgrammar as xgr
 
         if self.tokenizer is None:
-            raise ValueError("structured_output needs the model's tokenizer")
+            raise StructuredOutputError("structured_output needs the model's tokenizer")
         if self._compiler is None:
             stop = [] if self.eos_token_id is None else [self.eos_token_id]
             info = xgr.TokenizerInfo.from_huggingface(
@@ -62,7 +62,7 @@ class StructuredOutputs:
             return self._compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as e:  # xgrammar raises RuntimeError with the reason
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ValueError(
+            raise StructuredOutputError(
                 f"structured_output (response_format): a JSON schema this server cannot "
                 f"follow: {reason}"
             ) from None

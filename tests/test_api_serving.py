@@ -19,7 +19,7 @@ from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.async_engine import EngineDeadError
 from engine.bundled import bundled_model_path
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import SamplingParams, StructuredOutput, StructuredOutputError
 from engine.tokenizer import load_tokenizer
 
 MAX_MODEL_LEN = 64
@@ -284,7 +284,7 @@ def test_response_format_reaches_the_engine_as_a_structured_output(tokenizer):
 
 def test_an_engine_refusal_of_a_schema_names_response_format(tokenizer):
     serving, engine = _serving(tokenizer)
-    engine.fail = ValueError("structured_output (response_format): a JSON schema ...")
+    engine.fail = StructuredOutputError("structured_output (response_format): a JSON schema ...")
     with pytest.raises(APIError) as info:
         asyncio.run(serving.create_chat_completion(_chat(response_format={"type": "json_object"})))
     assert info.value.status_code == 400 and info.value.param == "response_format"

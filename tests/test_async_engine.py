@@ -11,7 +11,7 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.core_process import OutputDecoder, OutputEncoder
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import SamplingParams, StructuredOutput, StructuredOutputError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
@@ -124,7 +124,7 @@ def test_bad_input_raises_from_generate_and_the_loop_keeps_serving(engine):
 def test_structured_requests_are_checked_and_served_after_their_grammar_compiles(engine):
     async def run():
         bad_schema = StructuredOutput('{"type": "objectx"}')
-        with pytest.raises(ValueError, match="structured_output"):
+        with pytest.raises(StructuredOutputError, match="structured_output"):
             await _collect(
                 engine, PROMPTS[0], "bad-schema", SamplingParams(structured_output=bad_schema)
             )

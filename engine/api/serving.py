@@ -39,7 +39,7 @@ from engine.api.render import (
 )
 from engine.async_engine import EngineDeadError
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputError
 from engine.tokenizer import apply_chat_template
 
 # Prompt text of at least this many characters is tokenized on a worker thread while other
@@ -298,9 +298,10 @@ async def _next(outputs: AsyncIterator, deadline: float | None) -> Any:
         ) from None
     except EngineDeadError as e:
         raise APIError(f"the engine is not running: {e}", 503, code="engine_dead") from None
+    except StructuredOutputError as e:
+        raise APIError(str(e), param="response_format") from None
     except ValueError as e:
-        param = "response_format" if str(e).startswith("structured_output") else None
-        raise APIError(str(e), param=param) from None
+        raise APIError(str(e)) from None
 
 
 async def _merge(
