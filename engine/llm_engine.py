@@ -289,10 +289,14 @@ class LLMEngine:
             outputs += self._complete(*self._pending.popleft())
         scheduler_output = self.scheduler.schedule()
         if self.structured:
+            # A mask for each structured request that samples in this step; a prompt chunk
+            # that does not reach the prompt's end samples nothing. Nothing was in flight
+            # (see above), so a request samples now exactly when it holds a placeholder.
+            requests = self.scheduler.requests
             scheduler_output.grammar_bitmask = {
                 rid: self.structured.bitmask(rid)
                 for rid in scheduler_output.num_scheduled_tokens
-                if rid in self.structured.matchers
+                if rid in self.structured.matchers and requests[rid].num_output_placeholders
             }
         if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
             # Every runnable request waits for a step in flight: read that one, then schedule

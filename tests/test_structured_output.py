@@ -111,6 +111,25 @@ def test_json_object_outputs_parse_for_sampled_requests_and_each_of_n(llm):
                 assert choice.text.startswith("{")
 
 
+def test_a_mask_is_built_only_for_steps_that_sample():
+    # The prompt goes in chunks of 16 tokens: only the last chunk and the decodes sample.
+    llm = LLM(max_model_len=512, max_num_batched_tokens=16, max_num_seqs=4)
+    ids = _chat_ids(llm, "Describe a cat in JSON, with its name, colour and age.")
+    assert len(ids) > 2 * 16
+    masks = []
+    bitmask = llm.engine.structured.bitmask
+
+    def counted_bitmask(request_id):
+        masks.append(request_id)
+        return bitmask(request_id)
+
+    llm.engine.structured.bitmask = counted_bitmask
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_output=StructuredOutput())
+    out = llm.generate([ids], params)[0].outputs[0]
+    assert out.text.startswith("{")
+    assert len(masks) == len(out.token_ids)
+
+
 def test_a_schema_that_cannot_be_followed_is_refused_and_the_engine_goes_on(llm):
     bad = SamplingParams(max_tokens=4, structured_output=StructuredOutput('{"type": "objectx"}'))
     with pytest.raises(ValueError, match="structured_output"):
