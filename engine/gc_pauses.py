@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 _threshold_s: float | None = None
 """Collections longer than this are logged; None: not watched yet."""
-_started: list[float] = []
+_collection_started_at: float | None = None
 
 
 def freeze_startup_heap() -> None:
@@ -60,12 +60,14 @@ def warn_of_slow_collections(threshold_s: float = 0.05) -> None:
 
 
 def _on_collection(phase: str, info: dict) -> None:
+    global _collection_started_at
     if sys.is_finalizing():  # the collections of the exit; stderr may be closed
         return
     if phase == "start":
-        _started.append(time.perf_counter())
-    elif _started:
-        pause = time.perf_counter() - _started.pop()
+        _collection_started_at = time.perf_counter()  # collections do not nest
+    elif _collection_started_at is not None:
+        pause = time.perf_counter() - _collection_started_at
+        _collection_started_at = None
         if _threshold_s is not None and pause > _threshold_s:
             logger.warning(
                 "a garbage collection (generation %d, %d objects collected) paused this "
