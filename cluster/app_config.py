@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from engine.config import (
+    SERVER_PREFILL_TOKENS_WITH_DECODES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -139,6 +140,16 @@ def _engine_fields() -> dict[str, Any]:
     fields["max_num_batched_tokens"] = (
         int | None,
         Field(default=None, gt=0, description="picked by the engine: 8192 when serving"),
+    )
+    fields["max_prefill_tokens_with_decodes"] = (
+        int | None,
+        Field(
+            default=None,
+            ge=0,
+            description="prompt tokens a step takes while requests decode (longer prompts "
+            f"are chunked); picked by the engine: {SERVER_PREFILL_TOKENS_WITH_DECODES} when "
+            "serving; 0: up to max_num_batched_tokens",
+        ),
     )
     fields["policy"] = (Literal["fcfs", "priority"], Field(default="priority"))
     fields["device"] = (Literal["cpu", "cuda"] | None, Field(default=None))

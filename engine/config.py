@@ -59,6 +59,11 @@ class SchedulerConfig(_Frozen):
     """Token budget of one step; prompts longer than this are prefilled in chunks."""
     max_model_len: int = Field(default=2048, gt=0)
     policy: Literal["fcfs", "priority"] = "fcfs"
+    max_prefill_tokens_with_decodes: int | None = Field(default=None, ge=0)
+    """Prompt tokens a step takes while requests are decoding (a longer prompt is prefilled
+    in chunks), so that an arriving prompt holds up the running streams by a bounded step.
+    0 or None: up to max_num_batched_tokens. EngineConfig.create resolves None:
+    SERVER_PREFILL_TOKENS_WITH_DECODES when serving, 0 offline."""
 
 
 class ParallelConfig(_Frozen):
@@ -156,6 +161,10 @@ class EngineConfig(_Frozen):
             seqs, tokens = default_batch_limits(_gpu_memory_and_name(device), usage_context)
             sched_args.setdefault("max_num_seqs", seqs)
             sched_args.setdefault("max_num_batched_tokens", tokens)
+        if sched_args.get("max_prefill_tokens_with_decodes") is None:
+            sched_args["max_prefill_tokens_with_decodes"] = (
+                SERVER_PREFILL_TOKENS_WITH_DECODES if usage_context == "server" else 0
+            )
         runner_args = {k: engine_args[k] for k in RUNNER_ARGS if k in engine_args}
         runner_args.pop("device", None)
         if engine_args.get("tensor_parallel_size", 1) > 1:
@@ -177,6 +186,10 @@ class EngineConfig(_Frozen):
 
 
 UsageContext = Literal["offline", "server"]
+
+SERVER_PREFILL_TOKENS_WITH_DECODES = 1024
+"""A server's max_prefill_tokens_with_decodes when not given. (bench/RESULTS.md: on an H200
+with llama3-8b shapes, Poisson 16 req/s of 1,024-token prompts, ...)"""
 
 RUNNER_ARGS = ("device", "enforce_eager", "prefill_cuda_graph_tokens")
 """Engine arguments that are EngineConfig's own fields (the rest belong to its parts)."""

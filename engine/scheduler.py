@@ -4,6 +4,8 @@ There are no prefill and decode phases. Every request has `num_tokens` known tok
 `num_computed_tokens` whose KV is cached; each step the scheduler lets the computed count
 catch up within `max_num_batched_tokens`. A decode wants 1 token, a fresh prompt wants all
 of it, and a prompt longer than what is left of the budget gets a chunk (chunked prefill).
+While requests decode, prompts share the smaller `max_prefill_tokens_with_decodes`: a step
+that carries decodes stays short, so one arriving prompt holds the streams up briefly.
 A request samples a token when a step brings it to the end of its known tokens.
 """
 
@@ -126,15 +128,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
+        prefilling: set[str] = set()
         preempted = False
         max_seqs = self._max_seqs_this_step()
 
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < max_seqs:
             request = self.running[i]
-            num_new = min(self._num_wanted(request), budget)
+            num_wanted = self._num_wanted(request)
+            num_new = min(num_wanted, budget)
+            is_prefill = num_wanted > 1 or request.num_computed_tokens < request.num_prompt_tokens
+            if is_prefill:
+                num_new = min(num_new, prefill_budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -142,7 +150,11 @@ class Scheduler:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 if victim.request_id in num_scheduled:
-                    budget += num_scheduled.pop(victim.request_id)
+                    refund = num_scheduled.pop(victim.request_id)
+                    budget += refund
+                    if victim.request_id in prefilling:
+                        prefilling.discard(victim.request_id)
+                        prefill_budget += refund
                     new_block_ids.pop(victim.request_id)
                 self._preempt(victim)
                 preempted = True
@@ -155,6 +167,9 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = block_ids
             budget -= num_new
+            if is_prefill:
+                prefilling.add(request.request_id)
+                prefill_budget -= num_new
             i += 1
         scheduled_running = [self.requests[r] for r in num_scheduled]
 
@@ -163,13 +178,13 @@ class Scheduler:
         while (
             not preempted
             and self.waiting
-            and budget > 0
+            and min(budget, prefill_budget) > 0
             and len(self.running) < self.config.max_num_seqs
             and len(num_scheduled) < max_seqs
         ):
             request = self.waiting[0]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = min(request.num_tokens - num_hit, budget, prefill_budget)
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # the head of the queue waits for blocks; nothing behind it jumps ahead
             self.waiting.pop(0)
@@ -181,6 +196,7 @@ class Scheduler:
             scheduled_new.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            prefill_budget -= num_new
 
         output = SchedulerOutput(
             scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
@@ -203,6 +219,14 @@ class Scheduler:
     def defer_finished(self, output: SchedulerOutput) -> None:
         """Send an unlaunched (empty) output's finished ids with the next step instead."""
         self._finished_req_ids |= output.finished_req_ids
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may take: max_prefill_tokens_with_decodes while a running
+        request is past its prompt (decoding), else the whole step's budget."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return cap
+        return self.config.max_num_batched_tokens
 
     def _max_seqs_this_step(self) -> int:
         if self.num_micro_batches == 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import engine.config
-from engine.config import EngineConfig, default_batch_limits
+from engine.config import SERVER_PREFILL_TOKENS_WITH_DECODES, EngineConfig, default_batch_limits
 
 GIB = 2**30
 
@@ -40,6 +40,20 @@ def test_create_resolves_batch_defaults_for_the_device_and_keeps_given_values(mo
     assert (server.max_num_seqs, server.max_num_batched_tokens) == (1024, 8192)
     given = EngineConfig.create(device="cuda", max_num_seqs=64).scheduler_config
     assert (given.max_num_seqs, given.max_num_batched_tokens) == (64, 16384)
+
+
+def test_a_server_keeps_prompts_beside_decodes_short_and_offline_does_not():
+    def cap(**args):
+        return EngineConfig.create(
+            device="cpu", **args
+        ).scheduler_config.max_prefill_tokens_with_decodes
+
+    assert cap(usage_context="server") == SERVER_PREFILL_TOKENS_WITH_DECODES
+    assert cap() == 0
+    assert cap(usage_context="server", max_prefill_tokens_with_decodes=0) == 0
+    assert cap(max_prefill_tokens_with_decodes=256) == 256
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        cap(max_prefill_tokens_with_decodes=-1)
 
 
 def test_unknown_engine_argument_is_named():

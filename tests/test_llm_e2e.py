@@ -120,6 +120,13 @@ def test_chunked_prefill_keeps_outputs(hf_reference):
     _assert_same(_token_ids(llm.generate(PROMPTS, GREEDY)), hf_reference)
 
 
+def test_prompts_chunked_beside_decodes_keep_outputs(hf_reference):
+    # Two at a time: each later prompt is admitted while the other request decodes, and
+    # is prefilled 24 tokens a step beside it.
+    llm = LLM(max_num_seqs=2, max_prefill_tokens_with_decodes=24)
+    _assert_same(_token_ids(llm.generate(PROMPTS, GREEDY)), hf_reference)
+
+
 def test_prefix_caching_keeps_outputs_and_hits(hf_prefix_reference):
     llm = LLM(enable_prefix_caching=True)
     first = llm.generate(PREFIX_PROMPTS[:1], GREEDY)

@@ -31,6 +31,7 @@ def make_scheduler(
     max_model_len: int = 256,
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
+    max_prefill_tokens_with_decodes: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -38,6 +39,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             policy=policy,
+            max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
         ),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
@@ -146,12 +148,33 @@ def check_scheduler(scheduler: Scheduler) -> None:
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
+    # Before the step: which running requests are past their prompt, and which want more
+    # than one token (a prompt, or a resumed request catching up).
+    past_prompt = {
+        r.request_id for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens
+    }
+    decoding = {
+        r
+        for r in past_prompt
+        if scheduler.requests[r].num_tokens - scheduler.requests[r].num_computed_tokens <= 1
+    }
     out = scheduler.schedule()
     budget = scheduler.config.max_num_batched_tokens
     assert out.total_num_scheduled_tokens <= budget
-    # A running request is only left out of a step when the token budget is spent.
-    if any(r.request_id not in out.num_scheduled_tokens for r in scheduler.running):
-        assert out.total_num_scheduled_tokens == budget
+    cap = scheduler.config.max_prefill_tokens_with_decodes
+    capped = bool(cap and past_prompt)
+    num_prompt_tokens = sum(n for r, n in out.num_scheduled_tokens.items() if r not in decoding)
+    if capped:
+        assert num_prompt_tokens <= cap
+    # A running request is only left out of a step when the token budget is spent, or,
+    # for a prompt beside decodes, the prompt tokens' share of it.
+    left_out = [r for r in scheduler.running if r.request_id not in out.num_scheduled_tokens]
+    if left_out:
+        assert out.total_num_scheduled_tokens == budget or (
+            capped
+            and num_prompt_tokens == cap
+            and all(r.request_id not in decoding for r in left_out)
+        )
     updated = scheduler.update_from_output(out, runner.execute(out))
     check_scheduler(scheduler)
     return out, updated
@@ -198,6 +221,40 @@ def test_chunked_prefill_runs_alongside_decodes():
     run_to_completion(scheduler, runner)
     assert long.output_token_ids == reference_outputs(long, 2)
     assert short.output_token_ids == reference_outputs(short, 10)
+
+
+def test_prompts_take_a_smaller_share_of_a_step_while_requests_decode():
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16)
+    runner = FakeRunner()
+    short = make_request("short", 6, max_tokens=20)
+    scheduler.add_request(short)
+    long = make_request("long", 40, max_tokens=2)
+    scheduler.add_request(long)
+    # Nothing decodes yet: both prompts fit in the whole budget.
+    out, _ = step(scheduler, runner)
+    assert out.num_scheduled_tokens == {"short": 6, "long": 40}
+
+    later = make_request("later", 40, max_tokens=2)
+    other = make_request("other", 10, max_tokens=2)
+    scheduler.add_request(later)
+    scheduler.add_request(other)
+    steps = []
+    while other.num_output_tokens == 0:
+        out, _ = step(scheduler, runner)
+        steps.append({r: n for r, n in out.num_scheduled_tokens.items() if r in ("later", "other")})
+        assert out.num_scheduled_tokens["short"] == 1
+    # 16 prompt tokens a step beside the decodes, in arrival order ("later" decodes in the last).
+    assert steps == [
+        {"later": 16},
+        {"later": 16},
+        {"later": 8, "other": 8},
+        {"later": 1, "other": 2},
+    ]
+    run_to_completion(scheduler, runner)
+    for request in (short, long, later, other):
+        assert request.output_token_ids == reference_outputs(
+            request, request.sampling_params.max_tokens
+        )
 
 
 def test_max_num_seqs_caps_the_batch():
@@ -591,6 +648,7 @@ def test_random_workload_matches_unscheduled_generation(seed):
         max_model_len=40,
         policy=policy,
         enable_prefix_caching=rng.random() < 0.8,
+        max_prefill_tokens_with_decodes=rng.choice([None, 0, 3, 8]),
     )
     runner = FakeRunner()
     shared = [rng.randint(10, 59) for _ in range(12)]
