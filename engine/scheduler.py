@@ -5,7 +5,8 @@ There are no prefill and decode phases. Every request has `num_tokens` known tok
 catch up within `max_num_batched_tokens`. A decode wants 1 token, a fresh prompt wants all
 of it, and a prompt longer than what is left of the budget gets a chunk (chunked prefill).
 While requests decode, prompts share the smaller `max_prefill_tokens_with_decodes`: a step
-that carries decodes stays short, so one arriving prompt holds the streams up briefly.
+that carries decodes stays short, so one arriving prompt holds the streams up briefly
+(unless a whole step's worth of prompt tokens waits: then the queue comes first).
 A request samples a token when a step brings it to the end of its known tokens.
 """
 
@@ -222,11 +223,21 @@ class Scheduler:
 
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may take: max_prefill_tokens_with_decodes while a running
-        request is past its prompt (decoding), else the whole step's budget."""
+        request is past its prompt (decoding), else the whole step's budget.
+
+        With a whole step's worth of tokens waiting, the server is behind its arrivals and
+        short steps would only let the queue grow: prompts get the whole budget again.
+        """
         cap = self.config.max_prefill_tokens_with_decodes
-        if cap and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
-            return cap
-        return self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
+        if not cap or not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return budget
+        num_waiting_tokens = 0
+        for request in self.waiting:
+            num_waiting_tokens += request.num_tokens
+            if num_waiting_tokens >= budget:
+                return budget
+        return cap
 
     def _max_seqs_this_step(self) -> int:
         if self.num_micro_batches == 1:

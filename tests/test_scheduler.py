@@ -158,11 +158,12 @@ def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, lis
         for r in past_prompt
         if scheduler.requests[r].num_tokens - scheduler.requests[r].num_computed_tokens <= 1
     }
+    behind = sum(r.num_tokens for r in scheduler.waiting) >= scheduler.config.max_num_batched_tokens
     out = scheduler.schedule()
     budget = scheduler.config.max_num_batched_tokens
     assert out.total_num_scheduled_tokens <= budget
     cap = scheduler.config.max_prefill_tokens_with_decodes
-    capped = bool(cap and past_prompt)
+    capped = bool(cap and past_prompt and not behind)
     num_prompt_tokens = sum(n for r, n in out.num_scheduled_tokens.items() if r not in decoding)
     if capped:
         assert num_prompt_tokens <= cap
@@ -252,6 +253,28 @@ def test_prompts_take_a_smaller_share_of_a_step_while_requests_decode():
     ]
     run_to_completion(scheduler, runner)
     for request in (short, long, later, other):
+        assert request.output_token_ids == reference_outputs(
+            request, request.sampling_params.max_tokens
+        )
+
+
+def test_prompts_get_the_whole_step_back_while_a_step_of_tokens_waits():
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16)
+    runner = FakeRunner()
+    short = make_request("short", 6, max_tokens=20)
+    scheduler.add_request(short)
+    step(scheduler, runner)
+    queued = [make_request(f"q{i}", 20, max_tokens=2) for i in range(4)]
+    for request in queued:
+        scheduler.add_request(request)
+    # 80 tokens wait, more than a step holds: the prompts take all but the decode's token.
+    out, _ = step(scheduler, runner)
+    assert out.num_scheduled_tokens == {"short": 1, "q0": 20, "q1": 20, "q2": 20, "q3": 3}
+    # Nothing waits now (q3 runs, 17 tokens short): back to 16 prompt tokens a step.
+    out, _ = step(scheduler, runner)
+    assert {r: n for r, n in out.num_scheduled_tokens.items() if r == "q3"} == {"q3": 16}
+    run_to_completion(scheduler, runner)
+    for request in [short, *queued]:
         assert request.output_token_ids == reference_outputs(
             request, request.sampling_params.max_tokens
         )
