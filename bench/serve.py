@@ -233,7 +233,9 @@ async def run(
 ) -> tuple[list[RequestResult], float]:
     limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = dict(item.split("=", 1) for item in args.header)
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
         timeout=timeout, headers=headers, connector=connector
@@ -342,6 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an HTTP header sent with every request (repeatable), e.g. X-Tenant-Id=a",
+    )
     p.add_argument("--tokenizer", default=None, help="HF folder or .gguf: send text prompts")
     p.add_argument("--vocab-size", type=int, default=32000, help="token-id prompts: ids below this")
     p.add_argument("--dataset", choices=["random", "lognormal"], default="random")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -69,10 +70,13 @@ def _on_collection(phase: str, info: dict) -> None:
         pause = time.perf_counter() - _collection_started_at
         _collection_started_at = None
         if _threshold_s is not None and pause > _threshold_s:
+            # The pid tells an engine process from the replica that started it: both
+            # write to the replica's log.
             logger.warning(
                 "a garbage collection (generation %d, %d objects collected) paused this "
-                "process for %.0f ms",
+                "process (pid %d) for %.0f ms",
                 info["generation"],
                 info["collected"],
+                os.getpid(),
                 pause * 1e3,
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 import pytest
 
@@ -38,6 +39,7 @@ def test_a_collection_over_the_threshold_is_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):
         gc.collect()
     assert "garbage collection (generation 2" in caplog.text
+    assert f"(pid {os.getpid()})" in caplog.text
     caplog.clear()
     gc_pauses.warn_of_slow_collections(threshold_s=60.0)
     with caplog.at_level(logging.WARNING, logger="engine.gc_pauses"):

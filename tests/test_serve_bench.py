@@ -18,10 +18,12 @@ GAP_S = 0.02
 
 
 CLIENT_PORTS: list[int] = []
+HEADERS: list[dict[str, str]] = []
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     CLIENT_PORTS.append(request.transport.get_extra_info("peername")[1])
+    HEADERS.append(dict(request.headers))
     body = await request.json()
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     if body["max_tokens"] > 100:
@@ -103,6 +105,22 @@ def test_one_client_at_a_time_keeps_its_connection(base_url):
     )  # fmt: skip
     assert summary["completed"] == 6
     assert len(CLIENT_PORTS) == 6 and len(set(CLIENT_PORTS)) == 1
+
+
+def test_headers_and_the_api_key_go_with_every_request(base_url):
+    HEADERS.clear()
+    summary = bench.main(
+        [
+            "--base-url", base_url, "--num-prompts", "3", "--random-input-len", "4",
+            "--random-output-len", "5", "--header", "X-Tenant-Id=acme",
+            "--header", "X-Request-Disconnect-Disabled=?1", "--api-key", "k1",
+        ]
+    )  # fmt: skip
+    assert summary["completed"] == 3 and len(HEADERS) == 3
+    for headers in HEADERS:
+        assert headers["X-Tenant-Id"] == "acme"
+        assert headers["X-Request-Disconnect-Disabled"] == "?1"
+        assert headers["Authorization"] == "Bearer k1"
 
 
 def test_slo_misses_lower_goodput_and_failures_are_counted(base_url):
