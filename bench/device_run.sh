@@ -9,7 +9,8 @@
 # serve:   bench.serve_suite (llama3-8b shape) against a Ray started without a dashboard
 # serve-colocated: the same with colocate_ingress=true (the ingress holds the engine)
 # serve-eager-prefill: serve-colocated with prefill_cuda_graph_tokens=0 (no piecewise graphs)
-#          (SERVE_LOADS="concurrency1 poisson16" runs only those loads of the three serve stages)
+#          (SERVE_LOADS="concurrency1 poisson16" runs only those loads of the three serve stages;
+#          C1_PATHS=1 adds concurrency 1 past HAProxy and without Serve's disconnect watcher)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
 #          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
@@ -114,6 +115,7 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         ray start --head --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
         export RAY_ADDRESS=auto
         [ -n "${SERVE_LOADS:-}" ] && extra+=(--only $SERVE_LOADS)
+        [ -n "${C1_PATHS:-}" ] && extra+=(--c1-paths)
         stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
         unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY

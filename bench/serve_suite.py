@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -47,6 +48,16 @@ SERVE_LOADS = [
     ("concurrency32-repeat", 32, ["--num-prompts", "200", "--max-concurrency", "32"]),
 ]
 IN_PROCESS_LOADS = ["concurrency1", "concurrency32", "concurrency32-repeat"]
+# --c1-paths: concurrency 1 again, in turns, along shorter paths into the same replica:
+# straight to the ingress replica's own HTTP port (past HAProxy), and with Serve's
+# per-request disconnect watcher off (a client header turns it off). Each its own seed.
+C1_PATHS = [
+    ("concurrency1-haproxy", None, {}),
+    ("concurrency1-direct", "direct", {}),
+    ("concurrency1-haproxy-nowatch", None, {"x-request-disconnect-disabled": "?1"}),
+    ("concurrency1-direct-nowatch", "direct", {"x-request-disconnect-disabled": "?1"}),
+]
+C1_PATHS_ROUNDS = 2
 SERVE_URL = "http://127.0.0.1:8000"  # `serve run` of an import path listens here
 
 
@@ -66,6 +77,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="no Serve: every selected load against the in-process engine (engine keys "
         "from --serve-arg), e.g. to compare engine settings under one load",
+    )
+    parser.add_argument(
+        "--c1-paths",
+        action="store_true",
+        help="after the Serve loads, concurrency 1 past HAProxy and without Serve's "
+        "disconnect watcher, in turns (where the Serve path's first-token time goes)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny loads (a smoke test)")
     parser.add_argument("--ready-timeout-s", type=float, default=900)
@@ -106,8 +123,34 @@ def _run_serve(args, engine_keys: dict, loads, tokenizer: str, workdir: Path) ->
         suffix = "".join(f"+{item}" for item in args.serve_arg)
         for label, seed, load_args in loads:
             _run(args, label + suffix, seed, load_args, tokenizer, ["--base-url", SERVE_URL])
+        if args.c1_paths:
+            _run_c1_paths(args, tokenizer, workdir / "serve.log", suffix)
     finally:
         _stop(server)
+
+
+def _run_c1_paths(args, tokenizer: str, log: Path, suffix: str) -> None:
+    direct = _replica_http_port(log)
+    load_args = SERVE_LOADS[0][2]
+    seed = 100
+    for _ in range(C1_PATHS_ROUNDS):
+        for label, path, headers in C1_PATHS:
+            if path == "direct" and direct is None:
+                continue
+            url = SERVE_URL if path is None else f"http://127.0.0.1:{direct}"
+            target = ["--base-url", url]
+            for name, value in headers.items():
+                target += ["--header", f"{name}={value}"]
+            seed += 1
+            _run(args, label + suffix, seed, load_args, tokenizer, target)
+
+
+def _replica_http_port(log: Path) -> int | None:
+    """The ingress replica's own HTTP port (Serve's direct ingress logs it), else None."""
+    found = re.findall(
+        r"Allocated port (\d+) for RequestProtocol.HTTP", log.read_text(errors="replace")
+    )
+    return int(found[-1]) if found else None
 
 
 def _word_tokenizer(args: argparse.Namespace, folder: Path) -> Path:

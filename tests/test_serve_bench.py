@@ -188,3 +188,18 @@ def test_word_tokenizer_round_trips_random_ids(tmp_path):
         assert len(tokenizer.encode(prompt, add_special_tokens=False)) == prompt_len == 50
     ids = list(range(0, 1000, 7))
     assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+
+
+def test_the_ingress_replicas_own_port_is_read_from_serves_log(tmp_path):
+    from bench.serve_suite import _replica_http_port
+
+    log = tmp_path / "serve.log"
+    log.write_text("starting\n")
+    assert _replica_http_port(log) is None
+    log.write_text(
+        "(ServeReplica:default:OpenAIIngress pid=1873) INFO default_OpenAIIngress pjaboz8h -- "
+        "Allocated port 30000 for RequestProtocol.HTTP\n"
+        "(ServeReplica:default:OpenAIIngress pid=2001) INFO default_OpenAIIngress q1 -- "
+        "Allocated port 30001 for RequestProtocol.HTTP\n"
+    )
+    assert _replica_http_port(log) == 30001  # the latest replica
