@@ -44,7 +44,7 @@ from engine.api.protocol import (
     validation_error,
 )
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
-from engine.gc_pauses import warn_of_slow_collections
+from engine.gc_pauses import space_out_full_collections, warn_of_slow_collections
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,6 +72,7 @@ class EngineHost:
     async def start(self, config: AppConfig) -> None:
         # Serve freezes a replica's start-up heap once its __init__ returns
         # (RAY_SERVE_FREEZE_GC_ON_STARTUP); the engine process freezes its own.
+        space_out_full_collections()
         warn_of_slow_collections()
         # A replica runs its code on its main loop, which should keep answering Serve
         # (health checks, metrics) while the model loads: build the engine on a thread.

@@ -14,11 +14,13 @@ from engine import gc_pauses
 
 @pytest.fixture(autouse=True)
 def _own_collector_callbacks(monkeypatch):
-    """The test process leaves with the collector callbacks it came with."""
+    """The test process leaves with the collector callbacks and thresholds it came with."""
     callbacks = list(gc.callbacks)
+    threshold = gc.get_threshold()
     monkeypatch.setattr(gc_pauses, "_threshold_s", None)
     yield
     gc.callbacks[:] = callbacks
+    gc.set_threshold(*threshold)
 
 
 def test_a_frozen_start_up_is_not_walked_by_later_collections():
@@ -67,3 +69,35 @@ def test_offline_generate_keeps_the_callers_heap_from_the_collector_only_while_i
     assert gc.get_freeze_count() == 0
     tracked = {id(o) for o in gc.get_objects()}
     assert all(id(o) in tracked for o in callers)
+
+
+def _full_collections_while_requests_pile_up() -> int:
+    """Full collections while 1,000,000 long-lived objects accumulate (requests in flight),
+    with the heap before frozen, as in a serving process."""
+    count = 0
+
+    def count_full(phase: str, info: dict) -> None:
+        nonlocal count
+        if phase == "stop" and info["generation"] == 2:
+            count += 1
+
+    gc.freeze()
+    gc.collect()  # the oldest generation now holds nothing but what comes next
+    gc.callbacks.append(count_full)
+    try:
+        in_flight = [[i] for i in range(1_000_000)]
+    finally:
+        gc.callbacks.remove(count_full)
+        gc.unfreeze()
+    del in_flight
+    return count
+
+
+def test_a_serving_process_has_ten_times_fewer_full_collections():
+    gc.set_threshold(700, 10, 10)  # Python's default
+    default = _full_collections_while_requests_pile_up()
+    gc_pauses.space_out_full_collections()
+    assert gc.get_threshold() == (700, 10, gc_pauses.FULL_COLLECTION_EVERY)
+    spaced = _full_collections_while_requests_pile_up()
+    assert default >= 5
+    assert spaced <= default // 5
