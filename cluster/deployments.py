@@ -44,7 +44,7 @@ from engine.api.protocol import (
     validation_error,
 )
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
-from engine.gc_pauses import space_out_full_collections, warn_of_slow_collections
+from engine.gc_pauses import tune_for_serving
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,8 +72,7 @@ class EngineHost:
     async def start(self, config: AppConfig) -> None:
         # Serve freezes a replica's start-up heap once its __init__ returns
         # (RAY_SERVE_FREEZE_GC_ON_STARTUP); the engine process freezes its own.
-        space_out_full_collections()
-        warn_of_slow_collections()
+        tune_for_serving()
         # A replica runs its code on its main loop, which should keep answering Serve
         # (health checks, metrics) while the model loads: build the engine on a thread.
         self.engine = await asyncio.to_thread(make_engine, config)
@@ -308,6 +307,8 @@ class OpenAIIngress:
         limiter: DeploymentHandle | None = None,
     ) -> None:
         """`server` None: this replica holds the engine itself (colocate_ingress)."""
+        # The ingress holds every stream's HTTP state: a full collection walks all of it.
+        tune_for_serving()
         self.host: EngineHost | None = None
         if server is None:
             self.host = EngineHost()

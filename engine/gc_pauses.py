@@ -38,10 +38,15 @@ generation waits ten times longer for its collection."""
 
 
 def freeze_startup_heap() -> None:
-    """Collect once, freeze what is left, make full collections rarer and from now on warn
-    of each collection over 50 ms."""
+    """Collect once, freeze what is left, then `tune_for_serving`."""
     gc.collect()
     gc.freeze()
+    tune_for_serving()
+
+
+def tune_for_serving() -> None:
+    """Make full collections rarer and from now on warn of each collection over 50 ms. On
+    its own for a process whose heap another freezes (Ray Serve, a replica's)."""
     space_out_full_collections()
     warn_of_slow_collections()
 
