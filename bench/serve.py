@@ -233,7 +233,7 @@ async def run(
 ) -> tuple[list[RequestResult], float]:
     limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    headers = dict(item.split("=", 1) for item in args.header)
+    headers = dict(args.header)
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
     connector = aiohttp.TCPConnector(limit=0)
@@ -334,6 +334,13 @@ def _meets(r: RequestResult, slo: dict[str, float]) -> bool:
     return all(values[name] * 1000 <= limit for name, limit in slo.items())
 
 
+def _header(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"a header is NAME=VALUE, got {item!r}")
+    return name, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -348,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--header",
         action="append",
         default=[],
+        type=_header,
         metavar="NAME=VALUE",
         help="an HTTP header sent with every request (repeatable), e.g. X-Tenant-Id=a",
     )

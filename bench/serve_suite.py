@@ -51,11 +51,11 @@ IN_PROCESS_LOADS = ["concurrency1", "concurrency32", "concurrency32-repeat"]
 # --c1-paths: concurrency 1 again, in turns, along shorter paths into the same replica:
 # straight to the ingress replica's own HTTP port (past HAProxy), and with Serve's
 # per-request disconnect watcher off (a client header turns it off). Each its own seed.
-C1_PATHS = [
-    ("concurrency1-haproxy", None, {}),
-    ("concurrency1-direct", "direct", {}),
-    ("concurrency1-haproxy-nowatch", None, {"x-request-disconnect-disabled": "?1"}),
-    ("concurrency1-direct-nowatch", "direct", {"x-request-disconnect-disabled": "?1"}),
+C1_PATHS = [  # (label, straight to the replica, headers)
+    ("concurrency1-haproxy", False, {}),
+    ("concurrency1-direct", True, {}),
+    ("concurrency1-haproxy-nowatch", False, {"x-request-disconnect-disabled": "?1"}),
+    ("concurrency1-direct-nowatch", True, {"x-request-disconnect-disabled": "?1"}),
 ]
 C1_PATHS_ROUNDS = 2
 SERVE_URL = "http://127.0.0.1:8000"  # `serve run` of an import path listens here
@@ -130,14 +130,14 @@ def _run_serve(args, engine_keys: dict, loads, tokenizer: str, workdir: Path) ->
 
 
 def _run_c1_paths(args, tokenizer: str, log: Path, suffix: str) -> None:
-    direct = _replica_http_port(log)
-    load_args = SERVE_LOADS[0][2]
+    port = _replica_http_port(log)
+    load_args = next(load for label, _, load in SERVE_LOADS if label == "concurrency1")
     seed = 100
     for _ in range(C1_PATHS_ROUNDS):
-        for label, path, headers in C1_PATHS:
-            if path == "direct" and direct is None:
+        for label, direct, headers in C1_PATHS:
+            if direct and port is None:
                 continue
-            url = SERVE_URL if path is None else f"http://127.0.0.1:{direct}"
+            url = f"http://127.0.0.1:{port}" if direct else SERVE_URL
             target = ["--base-url", url]
             for name, value in headers.items():
                 target += ["--header", f"{name}={value}"]

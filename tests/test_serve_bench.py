@@ -123,6 +123,12 @@ def test_headers_and_the_api_key_go_with_every_request(base_url):
         assert headers["Authorization"] == "Bearer k1"
 
 
+def test_a_header_without_a_value_is_refused_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--header", "X-Tenant-Id"])
+    assert "a header is NAME=VALUE, got 'X-Tenant-Id'" in capsys.readouterr().err
+
+
 def test_slo_misses_lower_goodput_and_failures_are_counted(base_url):
     summary = bench.main(
         [
