@@ -9,8 +9,9 @@ engine: tokenization and chat templates run next to it (they need its tokenizer 
 max_model_len), and it streams ready-made SSE text back.
 
 What travels from server to ingress, per request: the first item is an `APIError`, a
-response body (dict) or the first SSE text; a stream then continues with SSE text and
-ends with its `UsageInfo` (for per-tenant token accounting, never sent to the client).
+response body (dict) or "" (a stream has started: the engine took the request); a stream
+then continues with SSE text and ends with its `UsageInfo` (for per-tenant token
+accounting, never sent to the client).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures of the
@@ -95,6 +96,7 @@ class EngineHost:
             yield result.model_dump(mode="json")
             return
         events = result.events
+        yield ""
         try:
             async for text in events:
                 yield text
@@ -476,7 +478,8 @@ class OpenAIIngress:
         usage = None
         done = False
         try:
-            yield first
+            if first:
+                yield first
             async for item in replies:
                 if isinstance(item, UsageInfo):
                     usage = item

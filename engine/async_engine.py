@@ -245,7 +245,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs; the last one has `finished=True`.
 
-        Bad input raises the engine's ValueError from the first iteration. Leaving the
+        Unless `sampling_params` asks for the final output only, the first comes when the
+        engine has taken the request, with no tokens yet. Bad input raises the engine's
+        ValueError from the first iteration instead. Leaving the
         loop early (break, cancellation, an exception) aborts the request and frees its KV
         blocks. A request aborted with `abort()` just ends.
         """

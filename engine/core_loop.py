@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Results:
     """What one round of the loop produced for its callers."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
+    """Outputs of the requests added this round (no tokens yet) and of the step run."""
     failed: list[tuple[str, BaseException]] = field(default_factory=list)
     """Requests the engine refused (request id, the engine's exception)."""
     ended: list[str] = field(default_factory=list)
@@ -121,7 +122,7 @@ class CoreLoop:
             wait(futures, timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
             self._add_compiled(results)
         if self.engine.has_unfinished_requests():
-            results.outputs = self.engine.step()
+            results.outputs += self.engine.step()
             self.num_steps += 1
         for output in results.outputs:
             if output.finished:
@@ -131,7 +132,7 @@ class CoreLoop:
 
     def _add(self, op: AddOp, results: Results, grammar: Any = None) -> None:
         try:
-            self.engine.add_request(
+            taken = self.engine.add_request(
                 op.request_id,
                 op.prompt,
                 op.sampling_params,
@@ -144,6 +145,11 @@ class CoreLoop:
             results.failed.append((op.request_id, e))
         else:
             self._live.add(op.request_id)
+            # A streamed request's first output says the engine took it (no tokens yet):
+            # its response can start while the prompt is computed, and every error left
+            # after this point is one a stream reports in its body.
+            if op.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                results.outputs.append(taken)
 
     def _add_compiled(self, results: Results) -> None:
         """Add the structured requests whose grammar is ready (or fail them)."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from os.path import commonprefix
 from typing import Any
 
-from engine.core_loop import CoreLoop, Op, Results
+from engine.core_loop import AddOp, CoreLoop, Op, Results
 from engine.gc_pauses import freeze_startup_heap
 from engine.outputs import CompletionOutput, RequestOutput
 
@@ -34,10 +34,20 @@ _RequestDelta = tuple
 
 
 class OutputEncoder:
-    """Child side: cumulative `RequestOutput`s -> deltas against what was sent before."""
+    """Child side: cumulative `RequestOutput`s -> deltas against what was sent before.
+
+    A request's first delta carries its prompt's token ids unless the parent sent them
+    (`sent_as_ids`): a burst of 500 prompts of 1,024 tokens would otherwise cross back as
+    half a million ints in the one message that precedes the first step.
+    """
 
     def __init__(self) -> None:
         self._sent: dict[str, list[tuple[int, str, int]]] = {}
+        self._parent_has_ids: set[str] = set()
+
+    def sent_as_ids(self, request_id: str) -> None:
+        """The parent gave this request's prompt as token ids: do not send them back."""
+        self._parent_has_ids.add(request_id)
 
     def encode(self, outputs: list[RequestOutput]) -> list[_RequestDelta]:
         deltas = []
@@ -46,7 +56,9 @@ class OutputEncoder:
             prompt = None
             if sent is None:
                 sent = []
-                prompt = (out.prompt, out.prompt_token_ids)
+                known = out.request_id in self._parent_has_ids
+                self._parent_has_ids.discard(out.request_id)
+                prompt = (out.prompt, None if known else out.prompt_token_ids)
             completions = []
             for i, c in enumerate(out.outputs):
                 n_ids, text, n_logprobs = sent[i] if i < len(sent) else (0, "", 0)
@@ -84,20 +96,28 @@ class OutputEncoder:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._sent.pop(request_id, None)
+            self._parent_has_ids.discard(request_id)
 
 
 class OutputDecoder:
-    """Parent side: deltas -> fresh cumulative `RequestOutput`s (callers may keep old ones)."""
+    """Parent side: deltas -> fresh cumulative `RequestOutput`s (callers may keep old ones).
 
-    def __init__(self) -> None:
+    `prompt_ids`: the prompts the parent sent as token ids, by request id (the parent adds
+    to it as it sends); a first delta without ids takes them from there.
+    """
+
+    def __init__(self, prompt_ids: dict[str, list[int]] | None = None) -> None:
         self._last: dict[str, RequestOutput] = {}
+        self._prompt_ids = {} if prompt_ids is None else prompt_ids
 
     def decode(self, deltas: list[_RequestDelta]) -> list[RequestOutput]:
         outputs = []
         for request_id, finished, num_cached, prompt, completions in deltas:
             last = self._last.get(request_id)
             if prompt is not None or last is None:
-                text, ids = prompt if prompt is not None else (None, [])
+                text, ids = prompt if prompt is not None else (None, None)
+                if ids is None:
+                    ids = self._prompt_ids.pop(request_id, [])
                 last = RequestOutput(request_id, text, ids, [], finished=False)
             previous = {c.index: c for c in last.outputs}
             merged = []
@@ -131,6 +151,7 @@ class OutputDecoder:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._last.pop(request_id, None)
+            self._prompt_ids.pop(request_id, None)
 
 
 class _ForwardingSink:
@@ -228,6 +249,9 @@ def run_engine_process(engine_args: dict, conn: Any) -> None:
                 ops.append(conn.recv())
             if None in ops:
                 break
+            for op in ops:
+                if isinstance(op, AddOp) and not isinstance(op.prompt, str):
+                    encoder.sent_as_ids(op.request_id)
             applied = core.apply(ops)
             if applied:
                 send(applied)
@@ -294,16 +318,21 @@ class ProcessCore:
         self.last_heard = time.monotonic()
         self._deliver, self._on_dead, self._on_metrics = deliver, on_dead, on_metrics
         self._send_lock = threading.Lock()
+        self._prompt_ids: dict[str, list[int]] = {}
+        """Prompts sent as token ids whose first output has not come back yet."""
         self._reader = threading.Thread(target=self._read, name="kvray-engine-reader", daemon=True)
         self._reader.start()
 
     def submit(self, op: Op | None) -> bool:
         """False when the engine process can no longer be reached."""
+        if isinstance(op, AddOp) and not isinstance(op.prompt, str):
+            self._prompt_ids[op.request_id] = list(op.prompt)
         try:
             with self._send_lock:
                 self._conn.send(op)
             return True
         except (OSError, ValueError):
+            self._prompt_ids.pop(getattr(op, "request_id", None), None)
             return False
 
     def is_alive(self) -> bool:
@@ -317,7 +346,7 @@ class ProcessCore:
             self._process.join(5)
 
     def _read(self) -> None:
-        decoder = OutputDecoder()
+        decoder = OutputDecoder(self._prompt_ids)
         try:
             while True:
                 message = self._conn.recv()

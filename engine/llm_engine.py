@@ -171,9 +171,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         grammar: Any = None,
-    ) -> None:
+    ) -> RequestOutput:
         """Queue a request; ValueError for input the engine cannot serve. `grammar`: the one
-        `compile_grammar` returned for its structured_output (else it is compiled here)."""
+        `compile_grammar` returned for its structured_output (else it is compiled here).
+        Returns the request's output as taken: its prompt, no tokens yet."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -236,6 +237,7 @@ class LLMEngine:
                 self.structured.add(child.request.request_id, grammar)
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
+        return self._make_output(parent)
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.config.scheduler_config.max_model_len

@@ -19,7 +19,12 @@ from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.async_engine import EngineDeadError
 from engine.bundled import bundled_model_path
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams, StructuredOutput, StructuredOutputError
+from engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutput,
+    StructuredOutputError,
+)
 from engine.tokenizer import load_tokenizer
 
 MAX_MODEL_LEN = 64
@@ -32,14 +37,24 @@ class ScriptedEngine:
     model_name = "scripted"
     max_model_len = MAX_MODEL_LEN
 
-    def __init__(self, tokenizer, step_delay_s: float = 0.0, fail: BaseException | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        step_delay_s: float = 0.0,
+        fail: BaseException | None = None,
+        refuse: str | None = None,
+    ):
+        """`fail`: every request raises it; `refuse`: a prompt containing this text is
+        refused (ValueError) as the engine refuses input it cannot serve."""
         self.tokenizer = tokenizer
         self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.step_delay_s = step_delay_s
         self.fail = fail
+        self.refuse = refuse
         self.calls: list[dict] = []
         self.closed: list[str] = []
         self.num_requests = 0
+        self.num_token_steps = 0
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -53,15 +68,23 @@ class ScriptedEngine:
         try:
             if self.fail is not None:
                 raise self.fail
+            if self.refuse is not None and self.refuse in self.tokenizer.decode(prompt):
+                raise ValueError(f"prompt contains {self.refuse!r}")
+            every_output = sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
+            if every_output:  # taken: the first output has no tokens yet
+                empty = [CompletionOutput(i, "", []) for i in range(sampling_params.n)]
+                yield RequestOutput(request_id, None, list(prompt), empty, False)
             n_tokens = sampling_params.max_tokens
             for step in range(1, n_tokens + 1):
                 await asyncio.sleep(self.step_delay_s)
+                self.num_token_steps += 1
                 finished = step == n_tokens
                 outputs = [
                     self._sample(i, step, sampling_params.logprobs, finished)
                     for i in range(sampling_params.n)
                 ]
-                yield RequestOutput(request_id, None, list(prompt), outputs, finished)
+                if every_output or finished:
+                    yield RequestOutput(request_id, None, list(prompt), outputs, finished)
         finally:
             self.num_requests -= 1
             if not finished:
@@ -342,6 +365,28 @@ def test_dead_engine_is_a_503(tokenizer):
     with pytest.raises(APIError) as info:
         asyncio.run(serving.create_chat_completion(_chat(max_tokens=2)))
     assert info.value.status_code == 503
+
+
+def test_a_stream_starts_when_the_engine_takes_the_request(tokenizer):
+    serving, engine = _serving(tokenizer, step_delay_s=0.05)
+
+    async def run():
+        stream = await serving.create_completion(_completion(max_tokens=3, stream=True))
+        steps_at_start = engine.num_token_steps
+        return steps_at_start, await _events(stream)
+
+    steps_at_start, events = asyncio.run(run())
+    assert steps_at_start == 0  # the response can start before the first token
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == " one two three"
+
+
+def test_a_prompt_the_engine_refuses_fails_a_stream_of_several_before_it_starts(tokenizer):
+    serving, engine = _serving(tokenizer, step_delay_s=0.05, refuse="Bad")
+    request = _completion(prompt=["Count:", "Bad input"], max_tokens=3, stream=True)
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_completion(request))
+    assert info.value.status_code == 400 and "Bad" in info.value.message
+    assert engine.num_requests == 0 and engine.num_token_steps == 0  # the other one too
 
 
 def test_models_lists_the_served_model(tokenizer):

@@ -11,7 +11,12 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.core_process import OutputDecoder, OutputEncoder
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams, StructuredOutput, StructuredOutputError
+from engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutput,
+    StructuredOutputError,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
@@ -50,6 +55,24 @@ def test_stream_is_cumulative_and_ends_finished(engine):
     for earlier in outputs[:-1]:
         ids = earlier.outputs[0].token_ids
         assert final.token_ids[: len(ids)] == ids
+
+
+def test_the_first_output_comes_when_the_engine_takes_the_request(engine):
+    async def run():
+        taken = [out async for out in engine.generate(PROMPTS[1], GREEDY, "taken")]
+        final_only = SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        return taken, [out async for out in engine.generate(PROMPTS[1], final_only, "final")]
+
+    taken, final_only = asyncio.run(run())
+    first = taken[0]
+    assert not first.finished and first.outputs[0].token_ids == [] and first.outputs[0].text == ""
+    assert first.prompt_token_ids == engine.encode(PROMPTS[1])
+    assert all(out.outputs[0].token_ids for out in taken[1:])
+    # Asked for the final output only: that is the only one.
+    assert len(final_only) == 1 and final_only[0].finished
+    assert final_only[0].outputs[0].token_ids == taken[-1].outputs[0].token_ids
 
 
 def test_concurrent_requests_match_one_at_a_time(engine):
@@ -156,6 +179,7 @@ class _FailingEngine:
 
     def add_request(self, request_id, prompt, sampling_params, **kwargs):
         self.requests[request_id] = 0
+        return RequestOutput(request_id, None, [1], [CompletionOutput(0, "", [])], finished=False)
 
     def abort_request(self, request_ids) -> None:
         for rid in request_ids:
@@ -233,6 +257,17 @@ def test_output_deltas_rebuild_the_cumulative_outputs():
         (got,) = decoder.decode(encoder.encode([expected]))
         assert got == expected
     assert encoder._sent == {} and decoder._last == {}
+
+    # Prompt ids the parent sent do not cross back; the parent's own copy fills them in.
+    sent = {"r": [1, 2]}
+    encoder, decoder = OutputEncoder(), OutputDecoder(sent)
+    encoder.sent_as_ids("r")
+    first = encoder.encode([steps[0]])
+    assert first[0][3] == ("p", None)
+    assert decoder.decode(first) == [steps[0]] and sent == {}
+    for expected in steps[1:]:
+        (got,) = decoder.decode(encoder.encode([expected]))
+        assert got == expected
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """OpenAI endpoints over an `AsyncEngine`, independent of the web framework.
 
 `create_completion` / `create_chat_completion` return a response model, or for
-`stream=True` an `SSEStream` of ready-to-send SSE text. Anything wrong before the first
-byte raises `APIError` (status + OpenAI error body), so a front end maps it to one HTTP
-response; problems after streaming began arrive as an SSE error event.
+`stream=True` an `SSEStream` of ready-to-send SSE text, as soon as the engine has taken the
+request (its response can start while the prompt is computed). Anything wrong before that
+raises `APIError` (status + OpenAI error body), so a front end maps it to one HTTP response;
+problems after it (a time limit, the engine stopping) arrive as an SSE error event.
 """
 
 from __future__ import annotations
@@ -307,7 +308,9 @@ async def _next(outputs: AsyncIterator, deadline: float | None) -> Any:
 async def _merge(
     gens: list[AsyncIterator[RequestOutput]],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several engine streams as they come."""
+    """(prompt index, output) from several engine streams as they come, each stream's first
+    output (the engine took its prompt) before any other: a prompt the engine refuses fails
+    the request as a whole, before a response could have started."""
     if len(gens) == 1:
         async with aclosing(gens[0]) as gen:
             async for output in gen:
@@ -315,6 +318,17 @@ async def _merge(
         return
     pending = {asyncio.ensure_future(anext(gen)): i for i, gen in enumerate(gens)}
     try:
+        await asyncio.wait(pending)
+        firsts = sorted(pending.items(), key=lambda item: item[1])
+        pending = {}
+        errors = [task.exception() for task, _ in firsts]
+        for error in errors:
+            if error is not None and not isinstance(error, StopAsyncIteration):
+                raise error
+        for (task, i), error in zip(firsts, errors, strict=True):
+            if error is None:
+                pending[asyncio.ensure_future(anext(gens[i]))] = i
+                yield i, task.result()
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
