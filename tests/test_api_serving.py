@@ -380,6 +380,19 @@ def test_a_stream_starts_when_the_engine_takes_the_request(tokenizer):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == " one two three"
 
 
+def test_only_a_stream_asks_the_engine_for_every_output(tokenizer):
+    serving, engine = _serving(tokenizer)
+    asyncio.run(serving.create_completion(_completion(max_tokens=3)))
+    _stream(serving.create_chat_completion, _chat(max_tokens=3, stream=True))
+    asyncio.run(serving.create_chat_completion(_chat(max_tokens=3)))
+    kinds = [call["params"].output_kind for call in engine.calls]
+    assert kinds == [
+        RequestOutputKind.FINAL_ONLY,
+        RequestOutputKind.CUMULATIVE,
+        RequestOutputKind.FINAL_ONLY,
+    ]
+
+
 def test_a_prompt_the_engine_refuses_fails_a_stream_of_several_before_it_starts(tokenizer):
     serving, engine = _serving(tokenizer, step_delay_s=0.05, refuse="Bad")
     request = _completion(prompt=["Count:", "Bad input"], max_tokens=3, stream=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponseFormat
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 
 def check_prompt(ids: list[int], max_model_len: int, param: str) -> list[int]:
@@ -72,6 +72,10 @@ def to_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            # A response sent whole needs only the final output: the engine sends no other.
+            output_kind=RequestOutputKind.CUMULATIVE
+            if request.stream
+            else RequestOutputKind.FINAL_ONLY,
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as e:
