@@ -74,11 +74,15 @@ def ray_start_command(
 # streamed item). Measured (tiny model, 2-core box, bench.serve_suite): concurrency 1 TTFT
 # 22-27 -> 18-19 ms, concurrency 32 1,388-1,469 -> 2,148-2,358 tok/s. The replicas get it
 # through their runtime_env; the proxy reads it from its node's environment.
+# RAY_worker_niceness: Ray starts its workers at niceness 15, below every other process on
+# the node, and a replica's engine process inherits it; an inference server's replicas
+# and proxy are the work the node is for.
 SERVE_FAST_PATH_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_worker_niceness": "0",
 }
 
 

@@ -103,3 +103,21 @@ def test_overload_gets_openai_429_and_admitted_requests_finish(served):
             assert r.json()["usage"]["completion_tokens"] == 24
     elapsed, stats = wait_until_idle(APP, timeout_s=5, deployment=INGRESS)
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
+
+
+def test_the_replica_and_its_engine_process_run_at_normal_priority(served):
+    """Ray starts workers at niceness 15, below every other process on the node: Serve's
+    fast path (RAY_worker_niceness) keeps the replica, and the engine process it starts,
+    level with the proxy and the clients instead."""
+    import psutil
+
+    replicas = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any(f"ServeReplica:{APP}:{INGRESS}" in part for part in p.info["cmdline"] or ())
+    ]
+    assert replicas
+    for replica in replicas:
+        engine_processes = replica.children()
+        assert engine_processes  # engine_process=True: the engine runs in a child
+        assert [p.nice() for p in [replica, *engine_processes]] == [0] * (1 + len(engine_processes))
