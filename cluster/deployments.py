@@ -41,6 +41,8 @@ from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     UsageInfo,
     validation_error,
 )
@@ -49,7 +51,12 @@ from engine.gc_pauses import tune_for_serving
 
 logger = logging.getLogger("ray.serve")
 
-_REQUEST_TYPES = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+_REQUEST_TYPES = {
+    "completion": CompletionRequest,
+    "chat": ChatCompletionRequest,
+    "tokenize": TokenizeRequest,
+    "detokenize": DetokenizeRequest,
+}
 
 
 def make_engine(config: AppConfig) -> Any:
@@ -108,6 +115,18 @@ class EngineHost:
 
     def models(self) -> dict:
         return self.serving.models().model_dump(mode="json")
+
+    async def tokenize(self, request: Any) -> dict | APIError:
+        try:
+            return (await self.serving.tokenize(request)).model_dump(mode="json")
+        except APIError as e:
+            return e
+
+    def detokenize(self, request: Any) -> dict | APIError:
+        try:
+            return self.serving.detokenize(request).model_dump(mode="json")
+        except APIError as e:
+            return e
 
     async def stats(self) -> dict:
         return await self.engine.stats()
@@ -363,6 +382,30 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        return await self._tokenizer_call(request, "tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        return await self._tokenizer_call(request, "detokenize")
+
+    async def _tokenizer_call(self, request: Request, kind: str) -> JSONResponse:
+        """vLLM's /tokenize and /detokenize: the server's tokenizer, no engine step."""
+        try:
+            self.resolver.resolve(request.headers)
+            body = await self._read_body(request)
+            try:
+                parsed = _REQUEST_TYPES[kind].model_validate_json(body)
+            except ValidationError as e:
+                raise validation_error(e) from None
+            result = await getattr(self.server, kind).remote(parsed)
+            if isinstance(result, APIError):
+                raise result
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse(result)
 
     async def _generate(self, request: Request, kind: str) -> Response:
         received = time.time()

@@ -14,7 +14,13 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from engine.api.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.async_engine import EngineDeadError
 from engine.bundled import bundled_model_path
@@ -400,6 +406,59 @@ def test_a_prompt_the_engine_refuses_fails_a_stream_of_several_before_it_starts(
         asyncio.run(serving.create_completion(request))
     assert info.value.status_code == 400 and "Bad" in info.value.message
     assert engine.num_requests == 0 and engine.num_token_steps == 0  # the other one too
+
+
+def _tokenize_request(**fields) -> TokenizeRequest:
+    return TokenizeRequest.model_validate_json(json.dumps(fields))
+
+
+def test_tokenize_gives_the_ids_a_completion_or_a_chat_computes(tokenizer):
+    serving, engine = _serving(tokenizer)
+    prompt = "Count: one, two"
+    asyncio.run(serving.create_completion(_completion(prompt=prompt, max_tokens=1)))
+    asyncio.run(serving.create_chat_completion(_chat(max_tokens=1)))
+    by_prompt = asyncio.run(serving.tokenize(_tokenize_request(prompt=prompt)))
+    assert by_prompt.tokens == engine.calls[0]["prompt"] and by_prompt.count == len(
+        by_prompt.tokens
+    )
+    assert by_prompt.max_model_len == MAX_MODEL_LEN and by_prompt.token_strs is None
+    messages = [{"role": "user", "content": "Count"}]
+    by_messages = asyncio.run(serving.tokenize(_tokenize_request(messages=messages)))
+    assert by_messages.tokens == engine.calls[1]["prompt"]
+    with_strs = asyncio.run(
+        serving.tokenize(_tokenize_request(prompt=prompt, return_token_strs=True))
+    )
+    assert with_strs.token_strs == tokenizer.convert_ids_to_tokens(by_prompt.tokens)
+    back = serving.detokenize(DetokenizeRequest(tokens=by_prompt.tokens))
+    assert back.prompt == prompt
+
+
+@pytest.mark.parametrize(
+    ("call", "fields", "status", "param"),
+    [
+        ("tokenize", {}, 400, "prompt"),
+        (
+            "tokenize",
+            {"prompt": "a", "messages": [{"role": "user", "content": "a"}]},
+            400,
+            "prompt",
+        ),
+        ("tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+        ("detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+        ("detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ],
+)
+def test_tokenizer_calls_refuse_bad_input_naming_the_field(tokenizer, call, fields, status, param):
+    serving, _ = _serving(tokenizer)
+
+    async def run():
+        if call == "tokenize":
+            return await serving.tokenize(_tokenize_request(**fields))
+        return serving.detokenize(DetokenizeRequest.model_validate_json(json.dumps(fields)))
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(run())
+    assert (info.value.status_code, info.value.param) == (status, param)
 
 
 def test_models_lists_the_served_model(tokenizer):

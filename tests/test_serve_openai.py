@@ -119,6 +119,22 @@ def test_chat_matches_offline_llm_and_counts_usage(served, client):
     assert usage.completion_tokens == 8 and usage.total_tokens == len(prompt_ids) + 8
 
 
+def test_tokenize_counts_what_a_request_computes_and_detokenize_inverts_it(served, client):
+    url, _ = served
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, **FAST)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, **FAST)
+    by_prompt = _post(url, "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert by_prompt.status_code == 200, by_prompt.text
+    tokens = by_prompt.json()
+    assert tokens["count"] == len(tokens["tokens"]) == completion.usage.prompt_tokens
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    assert _post(url, "/tokenize", {"messages": CHAT}).json()["count"] == chat.usage.prompt_tokens
+    assert _post(url, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
+    assert _post(url, "/tokenize", {"prompt": PROMPT}, key=None).status_code == 401
+    bad = _post(url, "/detokenize", {"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
 def test_json_response_formats_through_the_openai_client(client):
     person = {
         "type": "object",

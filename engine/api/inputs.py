@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import json
 
-from engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from engine.api.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+    TokenizeRequest,
+)
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 
@@ -110,7 +116,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return by_id
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages(request: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
     """Messages as a chat template takes them ("developer" is OpenAI's new "system")."""
     messages = []
     for m in request.messages:

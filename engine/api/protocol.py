@@ -190,6 +190,32 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt as a completion takes it, or messages as a chat does."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0

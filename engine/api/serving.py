@@ -25,8 +25,12 @@ from engine.api.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
 )
 from engine.api.render import (
@@ -133,6 +137,38 @@ class OpenAIServing:
         )
         return await self._run(request, [ids], [params], ctx or RequestContext(), chat=True)
 
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """The ids a completion of `prompt` (or a chat of `messages`) would compute."""
+        self._check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError(
+                "give either prompt (tokenized as a completion's) or messages (as a chat's)",
+                param="prompt",
+            )
+        if request.messages is not None:
+            ids = await self._apply_chat_template(request)
+        elif self.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="prompt")
+        else:
+            ids = await self._tokenize(len(request.prompt), self.engine.encode, request.prompt)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(request.model)
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="tokens")
+        size = len(self.tokenizer)
+        bad = [t for t in request.tokens if not 0 <= t < size]
+        if bad:
+            raise APIError(
+                f"tokens: token id {bad[0]} is out of the tokenizer's range [0, {size})",
+                param="tokens",
+            )
+        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
@@ -159,7 +195,9 @@ class OpenAIServing:
             return [list(prompt)]
         return [list(p) for p in prompt]
 
-    async def _apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
+    async def _apply_chat_template(
+        self, request: ChatCompletionRequest | TokenizeRequest
+    ) -> list[int]:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
         messages = chat_messages(request)
