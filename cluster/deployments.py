@@ -395,11 +395,7 @@ class OpenAIIngress:
         """vLLM's /tokenize and /detokenize: the server's tokenizer, no engine step."""
         try:
             self.resolver.resolve(request.headers)
-            body = await self._read_body(request)
-            try:
-                parsed = _REQUEST_TYPES[kind].model_validate_json(body)
-            except ValidationError as e:
-                raise validation_error(e) from None
+            parsed = await self._parse_body(request, kind)
             result = await getattr(self.server, kind).remote(parsed)
             if isinstance(result, APIError):
                 raise result
@@ -414,11 +410,7 @@ class OpenAIIngress:
         try:
             tenant = self.resolver.resolve(request.headers)
             tenant_name = tenant.name
-            body = await self._read_body(request)
-            try:
-                parsed = _REQUEST_TYPES[kind].model_validate_json(body)
-            except ValidationError as e:
-                raise validation_error(e) from None
+            parsed = await self._parse_body(request, kind)
             lease = await self._acquire(tenant.name)
             timeout = tenant.config.request_timeout_s or self.config.request_timeout_s
             ctx = RequestContext(
@@ -440,6 +432,14 @@ class OpenAIIngress:
             raise
         self.tenant_metrics.request_done(tenant_name, response.status_code)
         return response
+
+    async def _parse_body(self, request: Request, kind: str) -> Any:
+        """The body as `kind`'s request model; APIError (413, 400 naming the field) if not."""
+        body = await self._read_body(request)
+        try:
+            return _REQUEST_TYPES[kind].model_validate_json(body)
+        except ValidationError as e:
+            raise validation_error(e) from None
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_request_body_bytes
