@@ -10,7 +10,9 @@
 # serve-colocated: the same with colocate_ingress=true (the ingress holds the engine)
 # serve-eager-prefill: serve-colocated with prefill_cuda_graph_tokens=0 (no piecewise graphs)
 #          (SERVE_LOADS="concurrency1 poisson16" runs only those loads of the three serve stages;
-#          C1_PATHS=1 adds concurrency 1 past HAProxy and without Serve's disconnect watcher)
+#          C1_PATHS=1 adds concurrency 1 past HAProxy and without Serve's disconnect watcher;
+#          C1_PAIRED=1 adds concurrency 1 through Serve and in process in turns, prompt by
+#          prompt, both engines on the GPU at gpu_memory_utilization 0.4)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
 #          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
@@ -44,7 +46,8 @@ summary='import sys, json
 keys = ("bench", "workload", "label", "serve_ready_s", "ms_per_token", "roofline_ms_per_token",
         "output_tok_s", "total_tok_s", "baseline_output_tok_s", "p50_ttft_ms", "p99_ttft_ms",
         "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "total_token_throughput", "startup_s",
-        "slowest_ttft_ms_at_s")
+        "slowest_ttft_ms_at_s", "mean_ttft_ms", "in_process_mean_ttft_ms", "added_mean_ttft_ms",
+        "added_p50_ttft_ms", "added_mean_ttft_ci95_ms")
 for line in sys.stdin:
     if line.startswith("{"):
         d = json.loads(line)
@@ -116,6 +119,7 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         export RAY_ADDRESS=auto
         [ -n "${SERVE_LOADS:-}" ] && extra+=(--only $SERVE_LOADS)
         [ -n "${C1_PATHS:-}" ] && extra+=(--c1-paths)
+        [ -n "${C1_PAIRED:-}" ] && extra+=(--c1-paired --serve-arg gpu_memory_utilization=0.4)
         stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
         unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY

@@ -12,6 +12,10 @@ and goodput under an SLO (--goodput ttft:200 tpot:50, in ms); one JSON object ou
 --in-process MODEL runs the same workload against kvray's engine in this process (an
 AsyncEngine, no Serve, no HTTP; engine arguments as --engine-arg key=value), so that the
 cost of the Serve + HTTP path is the difference between two runs of this script.
+--paired-in-process MODEL (one request at a time) sends every prompt both ways in turns,
+server and engine alternating which goes first, and reports that difference request by
+request: on a machine whose CPUs change speed from minute to minute (a virtual machine's
+often do), two runs minutes apart differ by more than the path's cost.
 
 Prompts: random token ids of the requested lengths (--dataset random, lengths uniform in
 len * [1 - ratio, 1 + ratio]) or a ShareGPT-like lognormal mix (--dataset lognormal).
@@ -251,6 +255,60 @@ async def run(
         return await _arrive(args, requests, one)
 
 
+async def run_paired(
+    args: argparse.Namespace, requests: list[tuple[Any, int, int]], engine: Any
+) -> tuple[list[RequestResult], list[RequestResult], float]:
+    """Each request to the server and to the in-process engine, one after the other, in the
+    order server-engine, engine-server, engine-server, server-engine, ... (ABBA), so that a
+    drift of the machine's speed and whatever one path leaves behind for the next fall on
+    both alike. Returns (server results, engine results, duration)."""
+    timeout = aiohttp.ClientTimeout(total=args.timeout_s)
+    headers = dict(args.header)
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    served: list[RequestResult] = []
+    local: list[RequestResult] = []
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+        if args.model is None:
+            async with session.get(args.base_url + "/v1/models") as response:
+                args.model = (await response.json())["data"][0]["id"]
+        for k, request in enumerate(requests):
+            if k % 4 in (0, 3):
+                served.append(await send(session, args, *request))
+                local.append(await send_in_process(engine, args, *request))
+            else:
+                local.append(await send_in_process(engine, args, *request))
+                served.append(await send(session, args, *request))
+    return served, local, time.perf_counter() - start
+
+
+def paired_difference(served: list[RequestResult], local: list[RequestResult]) -> dict:
+    """The in-process figures and what the server path added, pair by pair (both done)."""
+    pairs = [(s, x) for s, x in zip(served, local, strict=True) if s.ok and x.ok]
+    out: dict[str, Any] = {"paired_requests": len(pairs)}
+    if not pairs:
+        return out
+    ttft = np.array([x.ttft_s for _, x in pairs]) * 1000
+    added = np.array([s.ttft_s - x.ttft_s for s, x in pairs]) * 1000
+    out["in_process_mean_ttft_ms"] = round(float(ttft.mean()), 3)
+    out["in_process_p50_ttft_ms"] = round(float(np.median(ttft)), 3)
+    tpot = [x.tpot_s for _, x in pairs if x.tpot_s is not None]
+    if tpot:
+        out["in_process_mean_tpot_ms"] = round(float(np.mean(tpot)) * 1000, 3)
+    out["added_mean_ttft_ms"] = round(float(added.mean()), 3)
+    out["added_p50_ttft_ms"] = round(float(np.median(added)), 3)
+    # A bootstrap 95 % interval of the mean added TTFT (fixed seed: the same data, the
+    # same interval).
+    rng = np.random.default_rng(0)
+    means = added[rng.integers(0, len(added), size=(2000, len(added)))].mean(axis=1)
+    out["added_mean_ttft_ci95_ms"] = [
+        round(float(np.percentile(means, 2.5)), 3),
+        round(float(np.percentile(means, 97.5)), 3),
+    ]
+    return out
+
+
 def summarize(args: argparse.Namespace, results: list[RequestResult], duration_s: float) -> dict:
     done = [r for r in results if r.ok]
     pcts = [float(p) for p in args.percentiles.split(",")]
@@ -395,6 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="an engine argument for --in-process (repeatable), e.g. load_format=dummy",
     )
+    p.add_argument(
+        "--paired-in-process",
+        default=None,
+        metavar="MODEL",
+        help="with --max-concurrency 1: every prompt to --base-url and to kvray's engine in "
+        "this process, in turns; reports what the server path added, pair by pair",
+    )
     return p
 
 
@@ -408,22 +473,34 @@ def main(argv: list[str] | None = None, command: str | None = None) -> dict:
         tokenizer = load_tokenizer(args.tokenizer)
     elif args.endpoint.endswith("chat/completions"):
         raise SystemExit("chat prompts are text: give --tokenizer")
-    if args.in_process and args.endpoint.endswith("chat/completions"):
-        raise SystemExit("--in-process sends prompts as completions: leave --endpoint alone")
+    engine_model = args.in_process or args.paired_in_process
+    if engine_model and args.endpoint.endswith("chat/completions"):
+        raise SystemExit("the in-process engine takes prompts as completions: leave --endpoint")
+    if args.in_process and args.paired_in_process:
+        raise SystemExit("give --in-process or --paired-in-process, not both")
+    if args.paired_in_process and (args.max_concurrency != 1 or args.request_rate != float("inf")):
+        raise SystemExit("--paired-in-process sends one request at a time: --max-concurrency 1")
     requests = make_requests(args, tokenizer)
-    if args.in_process:
+    paired = {}
+    if engine_model:
         from engine.async_engine import AsyncEngine
 
         engine = AsyncEngine.from_engine_args(
-            args.in_process, tokenizer=args.tokenizer, **parse_engine_args(args.engine_arg)
+            engine_model, tokenizer=args.tokenizer, **parse_engine_args(args.engine_arg)
         )
         try:
-            results, duration_s = asyncio.run(run_in_process(args, requests, engine))
+            if args.paired_in_process:
+                results, local, _ = asyncio.run(run_paired(args, requests, engine))
+                paired = paired_difference(results, local)
+                # The server's own time: its requests ran back to back with the engine's.
+                duration_s = sum(r.e2e_s for r in results) or 1e-9
+            else:
+                results, duration_s = asyncio.run(run_in_process(args, requests, engine))
         finally:
             engine.shutdown()
     else:
         results, duration_s = asyncio.run(run(args, requests))
-    summary = summarize(args, results, duration_s)
+    summary = summarize(args, results, duration_s) | paired
     if args.label:
         summary["label"] = args.label
     argv = sys.argv[1:] if argv is None else argv

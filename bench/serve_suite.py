@@ -51,6 +51,8 @@ IN_PROCESS_LOADS = ["concurrency1", "concurrency32", "concurrency32-repeat"]
 # --c1-paths: concurrency 1 again, in turns, along shorter paths into the same replica:
 # straight to the ingress replica's own HTTP port (past HAProxy), and with Serve's
 # per-request disconnect watcher off (a client header turns it off). Each its own seed.
+# --c1-paired: concurrency 1 through Serve and in process in turns, prompt by prompt.
+C1_PAIRED_LOAD = ["--num-prompts", "60", "--max-concurrency", "1"]
 C1_PATHS = [  # (label, straight to the replica, headers)
     ("concurrency1-haproxy", False, {}),
     ("concurrency1-direct", True, {}),
@@ -84,6 +86,13 @@ def main(argv: list[str] | None = None) -> None:
         help="after the Serve loads, concurrency 1 past HAProxy and without Serve's "
         "disconnect watcher, in turns (where the Serve path's first-token time goes)",
     )
+    parser.add_argument(
+        "--c1-paired",
+        action="store_true",
+        help="after the Serve loads, concurrency 1 to Serve and to an engine in this process "
+        "in turns, prompt by prompt (bench/serve.py --paired-in-process); both engines hold "
+        "the GPU at once, so give --serve-arg gpu_memory_utilization=0.4",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny loads (a smoke test)")
     parser.add_argument("--ready-timeout-s", type=float, default=900)
     parser.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
@@ -99,23 +108,24 @@ def main(argv: list[str] | None = None) -> None:
         "max_model_len": args.max_model_len,
     }
     loads = [load for load in SERVE_LOADS if args.only is None or load[0] in args.only]
-    if not args.in_process_only:
-        _run_serve(args, engine_keys, loads, tokenizer, workdir)
-    if args.skip_in_process:
-        return
     engine_args = [f"{k}={v}" for k, v in engine_keys.items() if k not in ("model", "tokenizer")]
     # The app's engine keys hold for the in-process engine too (its serving keys do not).
     own_keys = [item for item in args.serve_arg if item.split("=", 1)[0] in ENGINE_KEYS]
-    in_process = ["--in-process", args.model]
-    for item in engine_args + own_keys:
-        in_process += ["--engine-arg", item]
+    engine_items = [arg for item in engine_args + own_keys for arg in ("--engine-arg", item)]
+    if not args.in_process_only:
+        _run_serve(args, engine_keys, loads, tokenizer, workdir, engine_items)
+    if args.skip_in_process:
+        return
+    in_process = ["--in-process", args.model, *engine_items]
     suffix = "".join(f"+{item}" for item in own_keys)
     for label, seed, load_args in loads:
         if args.in_process_only or label in IN_PROCESS_LOADS:
             _run(args, f"{label}-in-process{suffix}", seed, load_args, tokenizer, in_process)
 
 
-def _run_serve(args, engine_keys: dict, loads, tokenizer: str, workdir: Path) -> None:
+def _run_serve(
+    args, engine_keys: dict, loads, tokenizer: str, workdir: Path, engine_items: list[str]
+) -> None:
     server = _start_serve(engine_keys, args.serve_arg, workdir / "serve.log")
     try:
         _wait_ready(SERVE_URL, server, args.ready_timeout_s, workdir / "serve.log")
@@ -125,6 +135,11 @@ def _run_serve(args, engine_keys: dict, loads, tokenizer: str, workdir: Path) ->
             _run(args, label + suffix, seed, load_args, tokenizer, ["--base-url", SERVE_URL])
         if args.c1_paths:
             _run_c1_paths(args, tokenizer, workdir / "serve.log", suffix)
+        if args.c1_paired:
+            # The engine in this process shares the GPU with the replica's: give both
+            # gpu_memory_utilization (e.g. 0.4) in --serve-arg.
+            target = ["--base-url", SERVE_URL, "--paired-in-process", args.model, *engine_items]
+            _run(args, "concurrency1-paired" + suffix, 41, C1_PAIRED_LOAD, tokenizer, target)
     finally:
         _stop(server)
 

@@ -19,12 +19,14 @@ GAP_S = 0.02
 
 CLIENT_PORTS: list[int] = []
 HEADERS: list[dict[str, str]] = []
+PROMPT_LENS: list[int] = []
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     CLIENT_PORTS.append(request.transport.get_extra_info("peername")[1])
     HEADERS.append(dict(request.headers))
     body = await request.json()
+    PROMPT_LENS.append(len(body["prompt"]))
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     if body["max_tokens"] > 100:
         return web.json_response({"error": {"message": "too long"}}, status=400)
@@ -170,6 +172,38 @@ def test_in_process_runs_the_same_workload_on_the_engine():
     # Every token after the first arrives as its own chunk (one step each).
     assert 0 < summary["mean_ttft_ms"] <= summary["mean_e2el_ms"]
     assert summary["mean_itl_ms"] > 0
+
+
+def test_paired_run_sends_every_prompt_both_ways_and_reports_the_difference(base_url):
+    PROMPT_LENS.clear()
+    summary = bench.main(
+        [
+            "--base-url", base_url, "--paired-in-process", "tiny-llama",
+            "--engine-arg", "load_format=dummy", "--engine-arg", "max_model_len=128",
+            "--engine-arg", "num_gpu_blocks=64", "--vocab-size", "1000",
+            "--num-prompts", "8", "--max-concurrency", "1", "--random-input-len", "12",
+            "--random-output-len", "5", "--ignore-eos",
+        ]
+    )  # fmt: skip
+    assert summary["base_url"] == base_url and summary["model"] == "scripted"
+    assert summary["completed"] == 8 and summary["paired_requests"] == 8
+    assert PROMPT_LENS == [12] * 8
+    # The scripted server holds every first token FIRST_DELAY_S; the engine does not.
+    assert summary["mean_ttft_ms"] >= FIRST_DELAY_S * 1000
+    assert 0 < summary["in_process_mean_ttft_ms"] < summary["mean_ttft_ms"]
+    added = summary["added_mean_ttft_ms"]
+    assert added == pytest.approx(
+        summary["mean_ttft_ms"] - summary["in_process_mean_ttft_ms"], abs=0.01
+    )
+    low, high = summary["added_mean_ttft_ci95_ms"]
+    assert low <= added <= high
+
+
+def test_a_paired_run_is_one_request_at_a_time():
+    with pytest.raises(SystemExit, match="--max-concurrency 1"):
+        bench.main(["--paired-in-process", "tiny-llama", "--max-concurrency", "4"])
+    with pytest.raises(SystemExit, match="not both"):
+        bench.main(["--paired-in-process", "m", "--in-process", "m", "--max-concurrency", "1"])
 
 
 def test_engine_args_parse_as_json_where_they_can():
