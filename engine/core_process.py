@@ -28,8 +28,9 @@ from engine.gc_pauses import freeze_startup_heap
 from engine.outputs import CompletionOutput, RequestOutput
 
 # A delta of one request: (request_id, finished, num_cached_tokens, (prompt, prompt ids) on
-# its first delta else None, completion deltas). A completion delta: (index, text length
-# kept, new text, new token ids, new logprobs or None, finish_reason, stop_reason).
+# its first delta else None, completion deltas, prompt logprobs on the first delta that has
+# them else None). A completion delta: (index, text length kept, new text, new token ids,
+# new logprobs or None, finish_reason, stop_reason).
 _RequestDelta = tuple
 
 
@@ -44,6 +45,7 @@ class OutputEncoder:
     def __init__(self) -> None:
         self._sent: dict[str, list[tuple[int, str, int]]] = {}
         self._parent_has_ids: set[str] = set()
+        self._sent_prompt_logprobs: set[str] = set()
 
     def sent_as_ids(self, request_id: str) -> None:
         """The parent gave this request's prompt as token ids: do not send them back."""
@@ -84,12 +86,24 @@ class OutputEncoder:
                     sent[i] = state
                 else:
                     sent.append(state)
+            prompt_logprobs = None
+            if out.prompt_logprobs is not None and out.request_id not in self._sent_prompt_logprobs:
+                prompt_logprobs = out.prompt_logprobs
+                self._sent_prompt_logprobs.add(out.request_id)
             if out.finished:
                 self._sent.pop(out.request_id, None)
+                self._sent_prompt_logprobs.discard(out.request_id)
             else:
                 self._sent[out.request_id] = sent
             deltas.append(
-                (out.request_id, out.finished, out.num_cached_tokens, prompt, completions)
+                (
+                    out.request_id,
+                    out.finished,
+                    out.num_cached_tokens,
+                    prompt,
+                    completions,
+                    prompt_logprobs,
+                )
             )
         return deltas
 
@@ -97,6 +111,7 @@ class OutputEncoder:
         for request_id in request_ids:
             self._sent.pop(request_id, None)
             self._parent_has_ids.discard(request_id)
+            self._sent_prompt_logprobs.discard(request_id)
 
 
 class OutputDecoder:
@@ -112,7 +127,7 @@ class OutputDecoder:
 
     def decode(self, deltas: list[_RequestDelta]) -> list[RequestOutput]:
         outputs = []
-        for request_id, finished, num_cached, prompt, completions in deltas:
+        for request_id, finished, num_cached, prompt, completions, prompt_logprobs in deltas:
             last = self._last.get(request_id)
             if prompt is not None or last is None:
                 text, ids = prompt if prompt is not None else (None, None)
@@ -140,6 +155,9 @@ class OutputDecoder:
                 merged,
                 finished=finished,
                 num_cached_tokens=num_cached,
+                prompt_logprobs=last.prompt_logprobs
+                if prompt_logprobs is None
+                else prompt_logprobs,
             )
             if finished:
                 self._last.pop(request_id, None)

@@ -293,8 +293,9 @@ class KVCacheManager:
         """Longest cached prefix of full blocks, and its length in tokens.
 
         Never the whole request: the last token is recomputed so its logits sample the next.
+        None for a request that wants its prompt's logprobs: a cached token has no logits.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -55,10 +55,19 @@ class _ParentRequest:
     """Tokens of all samples already counted by metrics."""
     final_only: bool = False
     """Make an output only when the request finishes (RequestOutputKind.FINAL_ONLY)."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With SamplingParams.prompt_logprobs: the first sample's, position by position."""
 
     @property
     def finished(self) -> bool:
         return all(s.request.status.is_finished for s in self.samples)
+
+    def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """Entries from `first` on; positions already known (a preempted request computes
+        its prompt again) are kept as they are."""
+        known = self.prompt_logprobs
+        if known is not None and first <= len(known) < first + len(entries):
+            known.extend(entries[len(known) - first :])
 
 
 class LLMEngine:
@@ -196,6 +205,7 @@ class LLMEngine:
             prompt_ids,
             times=RequestTimes(arrival_time),
             final_only=sampling_params.output_kind == RequestOutputKind.FINAL_ONLY,
+            prompt_logprobs=None if sampling_params.prompt_logprobs is None else [None],
         )
         children = []
         for i in range(sampling_params.n):
@@ -332,6 +342,10 @@ class LLMEngine:
             sample = parent.samples[_sample_index(request.request_id, parent)]
             self._process_sample(sample, runner_output.logprobs.get(request.request_id))
             touched[parent_id] = parent
+        for sample_id, (first, entries) in runner_output.prompt_logprobs.items():
+            parent = self._parents.get(self._sample_parent.get(sample_id, ""))
+            if parent is not None and parent.samples[0].request.request_id == sample_id:
+                parent.add_prompt_logprobs(first, entries)
         outputs = []
         for parent in touched.values():
             finished = parent.finished
@@ -413,10 +427,14 @@ class LLMEngine:
                     logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 )
             )
+        prompt_logprobs = parent.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) < len(parent.prompt_token_ids):
+            prompt_logprobs = None  # the prompt is still being computed
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=parent.finished,
             num_cached_tokens=min(s.request.num_cached_tokens for s in parent.samples),

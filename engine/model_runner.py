@@ -29,7 +29,14 @@ from engine.host_staging import HostToDevice, to_host_async
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.loader import ModelSource, load_model
 from engine.piecewise_graphs import PiecewiseCudaGraphs
-from engine.sampler import build_sampling_batch, finish_sampling, sample_on_device
+from engine.sampler import (
+    LogprobTensors,
+    build_sampling_batch,
+    finish_sampling,
+    prompt_logprob_tensors,
+    sample_on_device,
+    token_logprobs_of,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kernels import use_triton
@@ -89,6 +96,8 @@ class ModelRunner:
         self.dtype = config.model.torch_dtype
         self.block_size = config.cache_config.block_size
         self.requests: dict[str, CachedRequestState] = {}
+        self._wants_prompt_logprobs: set[str] = set()
+        """Requests with SamplingParams.prompt_logprobs (the others skip that work)."""
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: DecodeCudaGraphs | None = None
@@ -246,8 +255,11 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._wants_prompt_logprobs.discard(req_id)
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
+            if params.prompt_logprobs is not None:
+                self._wants_prompt_logprobs.add(new.req_id)
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -377,7 +389,10 @@ class ModelRunner:
         if not self.is_last_stage:
             send_intermediate_tensors(hidden)
             return PendingRunnerOutput.done(ModelRunnerOutput())
+        prompt = self._prompt_logprobs(out, hidden)
         if not batch.sampling_req_ids:
+            if prompt and self.is_driver:
+                return PendingRunnerOutput([], None, None, None, prompt=prompt)
             return PendingRunnerOutput.done(ModelRunnerOutput())
         # Every tensor-parallel rank joins the logits all-gather; only the driver samples.
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -420,7 +435,39 @@ class ModelRunner:
         self._prev_sample_rows = {r: i for i, r in enumerate(batch.sampling_req_ids)}
         if not self.is_driver:
             return PendingRunnerOutput.done(ModelRunnerOutput())
-        return PendingRunnerOutput(batch.sampling_req_ids, sampled, logprobs, sampling_batch)
+        return PendingRunnerOutput(
+            batch.sampling_req_ids, sampled, logprobs, sampling_batch, prompt=prompt
+        )
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor
+    ) -> list[tuple[str, int, list[int], LogprobTensors]]:
+        """Logprobs of the prompt tokens this step's rows predict, for the requests that asked
+        (SamplingParams.prompt_logprobs): row p's logits give prompt token p + 1. Each entry:
+        (req id, position of its first token, the tokens, their tensors on the device).
+        Every tensor-parallel rank joins (the LM head gathers across ranks)."""
+        found = []
+        if not self._wants_prompt_logprobs:
+            return found
+        offset = 0
+        for req_id, n in out.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            num = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            # The last prompt row samples the first output token: not a prompt logprob.
+            end = min(start + n, state.num_prompt_tokens - 1)
+            if num is not None and end > start:
+                for first in range(start, end, PROMPT_LOGPROB_ROWS):
+                    last = min(end, first + PROMPT_LOGPROB_ROWS)
+                    rows = self._h2d(np.arange(offset + first - start, offset + last - start))
+                    targets = state.token_ids[first + 1 : last + 1]
+                    logits = self.model.compute_logits(hidden[rows])
+                    if self.is_driver:
+                        target_ids = self._h2d(np.array(targets, dtype=np.int64))
+                        tensors = prompt_logprob_tensors(logits, target_ids, num)
+                        found.append((req_id, first + 1, targets, tensors))
+            offset += n
+        return found
 
     def _piecewise_can_run(self, num_tokens: int) -> bool:
         graphs = self.piecewise_graphs
@@ -448,20 +495,27 @@ class ModelRunner:
         counts.index_put_((row_index, tokens), ones, accumulate=True)
 
 
+# Prompt rows whose logits are computed at once for prompt logprobs: 512 rows of a
+# 128k-token vocabulary are 256 MB of float32 logits.
+PROMPT_LOGPROB_ROWS = 512
+
+
 class PendingRunnerOutput:
     """Sampled tokens (and logprobs) of a launched step; the copy to the host starts at once,
     so reading them waits for this step alone, not for steps launched after it."""
 
-    def __init__(self, req_ids, sampled, logprobs, sampling_batch, output=None):
+    def __init__(self, req_ids, sampled, logprobs, sampling_batch, output=None, prompt=()):
         self._output = output
         if output is not None:
             return
         self._req_ids = req_ids
         self._batch = sampling_batch
-        self._sampled = to_host_async(sampled)
+        self._sampled = None if sampled is None else to_host_async(sampled)
         self._logprobs = None if logprobs is None else logprobs.to_host()
+        self._prompt = [(rid, first, ids, t.to_host()) for rid, first, ids, t in prompt]
         self._event = None
-        if sampled.is_cuda:
+        device = sampled if sampled is not None else prompt[0][3].sampled
+        if device.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -474,7 +528,9 @@ class PendingRunnerOutput:
             return self._output
         if self._event is not None:
             self._event.synchronize()
-        if self._logprobs is None:
+        if self._sampled is None:
+            token_ids, logprobs = [], ()
+        elif self._logprobs is None:
             token_ids, logprobs = self._sampled.tolist(), ()
         else:
             res = finish_sampling(self._sampled, self._logprobs, self._batch)
@@ -483,6 +539,12 @@ class PendingRunnerOutput:
         for req_id, lp in zip(self._req_ids, logprobs):
             if lp is not None:
                 output.logprobs[req_id] = lp
+        for req_id, first, ids, tensors in self._prompt:
+            entries = token_logprobs_of(tensors, ids)
+            if req_id in output.prompt_logprobs:  # a further slice of the same prompt
+                output.prompt_logprobs[req_id][1].extend(entries)
+            else:
+                output.prompt_logprobs[req_id] = (first, entries)
         self._output = output
         return output
 

@@ -40,3 +40,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (no
+    token precedes it); each the prompt token's logprob given the tokens before it, and the
+    top-N there. Complete from the first output after the prompt was computed (the output
+    that carries the first generated token); None before and without the option."""

@@ -388,6 +388,20 @@ def _logprob_tensors(logprobs: torch.Tensor, sampled: torch.Tensor, n: int) -> L
     return LogprobTensors(sampled_logprobs.squeeze(1), ranks, top_logprobs, top_ids)
 
 
+def prompt_logprob_tensors(logits: torch.Tensor, targets: torch.Tensor, n: int) -> LogprobTensors:
+    """Each row's logprob of its target (the prompt's next token), its rank, and the top n."""
+    return _logprob_tensors(logits.log_softmax(dim=-1), targets, n)
+
+
+def token_logprobs_of(tensors: LogprobTensors, token_ids: list[int]) -> list[TokenLogprobs]:
+    """Host tensors (every row with the same top-N) -> one TokenLogprobs per row."""
+    chosen, ranks, top_lp, top_ids = (t.tolist() for t in tensors.tensors())
+    return [
+        TokenLogprobs(token_ids[i], chosen[i], ranks[i], dict(zip(top_ids[i], top_lp[i])))
+        for i in range(len(token_ids))
+    ]
+
+
 def _token_logprobs(
     logprobs: LogprobTensors | None, token_ids: list[int], batch: SamplingBatch
 ) -> list[TokenLogprobs | None]:

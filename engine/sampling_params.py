@@ -74,6 +74,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Top-N logprobs to return for each generated token (0: only the sampled token's)."""
+    prompt_logprobs: int | None = None
+    """Top-N logprobs to return for each prompt token (0: only the prompt token's own); such a
+    request computes its whole prompt (no prefix-cache hits: cached tokens have no logits)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -128,6 +131,10 @@ class SamplingParams:
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int(
+                "prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS
+            )
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _bool(
             "include_stop_str_in_output", self.include_stop_str_in_output

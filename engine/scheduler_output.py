@@ -59,3 +59,6 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, object] = field(default_factory=dict)
     """req_id -> engine.outputs.TokenLogprobs, when the request asked for logprobs."""
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    """req_id -> (position of the first, TokenLogprobs of the prompt tokens at the positions
+    that follow), for requests with prompt_logprobs whose prompt was computed this step."""

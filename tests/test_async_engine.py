@@ -270,6 +270,27 @@ def test_output_deltas_rebuild_the_cumulative_outputs():
         assert got == expected
 
 
+def test_prompt_logprobs_cross_once_and_stay_on_later_outputs():
+    prompt_logprobs = [None, TokenLogprobs(2, -1.5, 3, {9: -0.2})]
+
+    def out(ids, with_prompt_logprobs):
+        completion = CompletionOutput(0, "x" * len(ids), ids)
+        return RequestOutput(
+            "r", "p", [1, 2], [completion], finished=len(ids) == 3,
+            prompt_logprobs=prompt_logprobs if with_prompt_logprobs else None,
+        )  # fmt: skip
+
+    steps = [out([], False), out([5], True), out([5, 6], True), out([5, 6, 7], True)]
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    crossed = []
+    for expected in steps:
+        deltas = encoder.encode([expected])
+        crossed.append(deltas[0][5])
+        (got,) = decoder.decode(deltas)
+        assert got == expected
+    assert crossed == [None, prompt_logprobs, None, None]
+
+
 @pytest.mark.parametrize(
     ("device", "omp", "expected"),
     [("cuda", None, 1), ("cpu", None, 3), ("cuda", "2", 3)],

@@ -51,8 +51,15 @@ def model_dir(tmp_path_factory):
 
 
 def _run(
-    model_dir: str, prompts, torch_kernels: bool, enforce_eager: bool, dtype: str, **engine_args
+    model_dir: str,
+    prompts,
+    torch_kernels: bool,
+    enforce_eager: bool,
+    dtype: str,
+    prompt_logprobs: int | None = None,
+    **engine_args,
 ):
+    """Greedy completions with logprobs (the whole RequestOutputs with prompt_logprobs)."""
     old = os.environ.get("KVRAY_TORCH_KERNELS")
     os.environ["KVRAY_TORCH_KERNELS"] = "1" if torch_kernels else "0"
     try:
@@ -76,12 +83,20 @@ def _run(
                 return run(input_ids, positions, meta)
 
             piecewise.run = spy
-        params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=STEPS,
+            ignore_eos=True,
+            logprobs=5,
+            prompt_logprobs=prompt_logprobs,
+        )
         outputs = llm.generate(prompts, params)
         llm.engine.shutdown()
         if piecewise is not None:
             del piecewise.run  # the spy held the graphs in a reference cycle
             assert any(q > 1 for q in runs), "no step with a prefill replayed the graphs"
+        if prompt_logprobs is not None:
+            return outputs
         return [o.outputs[0] for o in outputs]
     finally:
         if old is None:
@@ -145,6 +160,22 @@ def test_piecewise_graphs_give_the_reference_tokens(model_dir):
         model_dir, prompts, torch_kernels=True, enforce_eager=True, dtype="float32", **chunked
     )
     assert _matched_steps(fast, ref, tolerance=1e-2) >= 0.9 * len(prompts) * STEPS
+
+
+def test_prompt_logprobs_of_the_fast_path_match_the_reference(model_dir):
+    """Prompt rows' logits come from the piecewise graphs' hidden states, over chunks."""
+    prompts = _prompts()
+    args = dict(dtype="float32", prompt_logprobs=2, max_num_batched_tokens=128)
+    fast = _run(
+        model_dir, prompts, torch_kernels=False, enforce_eager=False,
+        prefill_cuda_graph_tokens=128, **args,
+    )  # fmt: skip
+    ref = _run(model_dir, prompts, torch_kernels=True, enforce_eager=True, **args)
+    for f, r, prompt in zip(fast, ref, prompts, strict=True):
+        assert len(f.prompt_logprobs) == len(prompt) and f.prompt_logprobs[0] is None
+        for a, b in zip(f.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+            assert a.token_id == b.token_id
+            assert abs(a.logprob - b.logprob) <= 1e-2
 
 
 def test_piecewise_graphs_bf16_match_eager_steps(model_dir):

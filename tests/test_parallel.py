@@ -173,6 +173,31 @@ def test_tiny_llama_tp2_pp2_equals_tp1_with_a_batch_in_each_stage(ray_instance, 
         llm.engine.shutdown()
 
 
+def test_prompt_logprobs_of_tp2_pp2_equal_tp1(ray_instance, tiny):
+    # The last stage's ranks all join the LM head's gather for the prompt rows; the driver
+    # reports them, computed over several chunks of each prompt.
+    path = tiny[0]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    want = LLM(path, **TINY_ARGS).generate(TOKEN_PROMPTS, params)
+    llm = LLM(
+        path,
+        **TINY_ARGS,
+        max_num_batched_tokens=4,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+    )
+    try:
+        got = llm.generate(TOKEN_PROMPTS, params)
+    finally:
+        llm.engine.shutdown()
+    for g, w in zip(got, want, strict=True):
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(w.prompt_token_ids)
+        assert g.prompt_logprobs[0] is None
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+            assert (a.token_id, a.rank, list(a.top)) == (b.token_id, b.rank, list(b.top))
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 def test_dummy_weights_are_the_same_for_every_layout(ray_instance):
     # Benchmarks compare layouts on dummy weights: TP=2 x PP=2 must hold TP=1's weights.
     args = dict(model="tiny-llama", load_format="dummy", **TINY_ARGS)
