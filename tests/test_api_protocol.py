@@ -10,7 +10,10 @@ from pydantic import ValidationError
 from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
+    CompletionChoice,
+    CompletionChunk,
     CompletionRequest,
+    PromptLogprob,
     validation_error,
 )
 
@@ -38,6 +41,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ({**CHAT, "top_logprobs": 99}, "top_logprobs", "20"),
         ({**CHAT, "stop": 7}, "stop", "string"),
         ({**CHAT, "max_tokenz": 5}, "max_tokenz", "not a supported field"),
+        ({**CHAT, "echo": True}, "echo", "not a supported field"),
         (
             {**CHAT, "stream_options": {"include_usage": 1}},
             "stream_options.include_usage",
@@ -60,6 +64,9 @@ def test_chat_body_errors_name_the_field(body, param, words):
         ({"model": "m"}, "prompt"),
         ({"model": "m", "prompt": {"text": "hi"}}, "prompt"),
         ({"model": "m", "prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"model": "m", "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"model": "m", "prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"model": "m", "prompt": "hi", "prompt_logprobs": True}, "prompt_logprobs"),
         ({"model": "m", "prompt": "hi", "n": 0}, "n"),
         ({"model": "m", "prompt": "hi", "seed": "1"}, "seed"),
     ],
@@ -95,3 +102,19 @@ def test_api_error_survives_pickling_with_its_status():
         "rate_limit_exceeded",
         {"Retry-After": "2"},
     )
+
+
+def test_prompt_logprobs_appear_in_a_choices_json_only_when_given():
+    plain = CompletionChoice(index=0, text="a")
+    chunk = CompletionChunk(id="c", created=0, model="m", choices=[plain])
+    assert "prompt_logprobs" not in json.loads(chunk.model_dump_json())["choices"][0]
+    assert "prompt_logprobs" not in plain.model_dump(mode="json")
+    scored = CompletionChoice(
+        index=0,
+        text="a",
+        prompt_logprobs=[None, {7: PromptLogprob(logprob=-0.5, rank=1, decoded_token="a")}],
+    )
+    assert scored.model_dump(mode="json")["prompt_logprobs"] == [
+        None,
+        {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}},
+    ]

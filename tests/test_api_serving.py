@@ -14,6 +14,7 @@ import threading
 import pytest
 from pydantic import ValidationError
 
+from engine.api.inputs import to_sampling_params
 from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -38,7 +39,8 @@ ANSWER = " one two three four five six seven eight nine ten"
 
 
 class ScriptedEngine:
-    """Generates ANSWER's tokens one step at a time (sample i shifted by i tokens)."""
+    """Generates ANSWER's tokens one step at a time (sample i shifted by i tokens). Prompt
+    logprobs come with the first token, as the real engine's do (see `prompt_logprobs`)."""
 
     model_name = "scripted"
     max_model_len = MAX_MODEL_LEN
@@ -81,6 +83,9 @@ class ScriptedEngine:
                 empty = [CompletionOutput(i, "", []) for i in range(sampling_params.n)]
                 yield RequestOutput(request_id, None, list(prompt), empty, False)
             n_tokens = sampling_params.max_tokens
+            prompt_logprobs = None
+            if sampling_params.prompt_logprobs is not None:
+                prompt_logprobs = self.prompt_logprobs(prompt, sampling_params.prompt_logprobs)
             for step in range(1, n_tokens + 1):
                 await asyncio.sleep(self.step_delay_s)
                 self.num_token_steps += 1
@@ -90,11 +95,33 @@ class ScriptedEngine:
                     for i in range(sampling_params.n)
                 ]
                 if every_output or finished:
-                    yield RequestOutput(request_id, None, list(prompt), outputs, finished)
+                    yield RequestOutput(
+                        request_id,
+                        None,
+                        list(prompt),
+                        outputs,
+                        finished,
+                        prompt_logprobs=prompt_logprobs,
+                    )
         finally:
             self.num_requests -= 1
             if not finished:
                 self.closed.append(request_id)
+
+    def prompt_logprobs(self, prompt: list[int], top_n: int) -> list[TokenLogprobs | None]:
+        """Position j's token is the likeliest (rank 1, logprob -j/10) at odd j; at even j it
+        is outside the top-N (rank N + 2, logprob -5)."""
+        vocab = len(self.tokenizer)
+        entries: list[TokenLogprobs | None] = [None]
+        for j, t in enumerate(prompt[1:], start=1):
+            if j % 2:
+                others = {(t + k) % vocab: -1.0 - k for k in range(1, top_n)}
+                top = dict(list({t: -j / 10, **others}.items())[:top_n])
+                entries.append(TokenLogprobs(t, -j / 10, 1, top))
+            else:
+                top = {(t + 1000 + k) % vocab: -0.5 - k for k in range(top_n)}
+                entries.append(TokenLogprobs(t, -5.0, top_n + 2, top))
+        return entries
 
     def _sample(self, index: int, step: int, logprobs: int | None, finished: bool):
         ids = (self.answer_ids * 3)[index : index + step]
@@ -260,7 +287,6 @@ def test_n_and_several_prompts_number_the_choices(tokenizer):
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": []}, 400, "prompt"),
         ({"model": "gpt-17"}, 404, "model"),
-        ({"echo": True}, 400, "echo"),
         ({"seed": 2**70}, 400, "seed"),
         ({"logit_bias": {"seven": 1}}, 400, "logit_bias"),
         ({"logit_bias": {"7": 101}}, 400, "logit_bias"),
@@ -274,6 +300,239 @@ def test_completion_input_errors(tokenizer, fields, status, param):
     assert info.value.status_code == status and info.value.param == param
     assert param in info.value.message or "model" in info.value.message
     assert engine.calls == []
+
+
+PROMPT = "Count: one, two"
+"""ASCII: its tokens' texts join to exactly this text."""
+
+
+def _token_texts(tokenizer, ids: list[int]) -> list[str]:
+    return [tokenizer.decode([i]) for i in ids]
+
+
+def _by_choice(events: list) -> dict[int, list[dict]]:
+    """A completion stream's chunk choices, by choice index, in order."""
+    out: dict[int, list[dict]] = {}
+    for chunk in events[:-1]:
+        for choice in chunk["choices"]:
+            out.setdefault(choice["index"], []).append(choice)
+    return out
+
+
+def test_echo_starts_every_choice_with_its_prompt(tokenizer):
+    serving, engine = _serving(tokenizer)
+    ids = tokenizer.encode("Count: one", add_special_tokens=False)
+
+    async def run():
+        texts = _completion(prompt=["Count:", "a b"], n=2, max_tokens=2)
+        plain = await serving.create_completion(texts)
+        echoed = await serving.create_completion(texts.model_copy(update={"echo": True}))
+        by_ids = await serving.create_completion(_completion(prompt=ids, max_tokens=2, echo=True))
+        return plain, echoed, by_ids
+
+    plain, echoed, by_ids = asyncio.run(run())
+    prompts = ["Count:", "Count:", "a b", "a b"]
+    assert [c.text for c in echoed.choices] == [
+        p + c.text for p, c in zip(prompts, plain.choices, strict=True)
+    ]
+    assert by_ids.choices[0].text == tokenizer.decode(ids) + plain.choices[0].text
+    assert echoed.usage == plain.usage
+    # Prompt logprobs would cost the prefix cache's hits: echo alone does not ask for them.
+    assert [call["params"].prompt_logprobs for call in engine.calls] == [None] * 5
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tokenizer):
+    serving, engine = _serving(tokenizer)
+    request = _completion(prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    full = asyncio.run(serving.create_completion(request))
+    prompt_ids = engine.calls[0]["prompt"]
+    assert engine.calls[0]["params"].prompt_logprobs == 1
+    choice, generated = full.choices[0], engine.answer_ids[:1]
+    lp = choice.logprobs
+    assert choice.text == PROMPT + tokenizer.decode(generated)
+    assert lp.tokens == _token_texts(tokenizer, prompt_ids + generated)
+    n = len(prompt_ids) + 1
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = engine.prompt_logprobs(prompt_ids, 1)
+    assert lp.token_logprobs[1:] == [e.logprob for e in expected[1:]] + [-0.5]
+    # The top-1 is the prompt token itself exactly where the scripted engine ranks it first.
+    assert [lp.tokens[j] in top for j, top in enumerate(lp.top_logprobs[1:-1], 1)] == [
+        j % 2 == 1 for j in range(1, len(prompt_ids))
+    ]
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert all(choice.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n)]
+
+
+def test_echo_logprobs_offsets_point_at_the_completion_after_any_prompt(tokenizer):
+    """A character split over several tokens has token texts longer than the prompt; the
+    first generated token's offset is still where the completion starts in the text."""
+    serving, engine = _serving(tokenizer)
+    prompt = "日本"
+    full = asyncio.run(
+        serving.create_completion(_completion(prompt=prompt, max_tokens=2, echo=True, logprobs=0))
+    )
+    n_prompt = len(engine.calls[0]["prompt"])
+    choice = full.choices[0]
+    assert len("".join(choice.logprobs.tokens[:n_prompt])) != len(prompt)
+    offsets = choice.logprobs.text_offset
+    assert choice.text[offsets[n_prompt] :] == tokenizer.decode(engine.answer_ids[:2])
+    assert choice.text[offsets[n_prompt + 1] :] == tokenizer.decode(engine.answer_ids[1:2])
+
+
+def test_echo_with_max_tokens_0_returns_only_the_scored_prompt(tokenizer):
+    serving, engine = _serving(tokenizer)
+    fields = dict(prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    full = asyncio.run(serving.create_completion(_completion(**fields)))
+    events = _stream(
+        serving.create_completion,
+        _completion(stream=True, stream_options={"include_usage": True}, **fields),
+    )
+    assert [call["params"].max_tokens for call in engine.calls] == [1, 1]
+    prompt_ids = engine.calls[0]["prompt"]
+    choice = full.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == _token_texts(tokenizer, prompt_ids)
+    assert len(choice.logprobs.token_logprobs) == len(prompt_ids)
+    usage = full.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 0)
+    assert usage.total_tokens == len(prompt_ids)
+
+    (chunks,) = _by_choice(events).values()
+    assert "".join(c["text"] for c in chunks) == PROMPT
+    assert chunks[-1]["finish_reason"] == "length"
+    assert [c["logprobs"]["tokens"] for c in chunks if c["logprobs"]] == [choice.logprobs.tokens]
+    assert events[-2]["usage"] == usage.model_dump()
+
+
+def test_a_stream_echoes_each_prompt_first_with_its_logprobs(tokenizer):
+    serving, _ = _serving(tokenizer)
+    prompts = ["Count:", "a b"]
+    fields = dict(prompt=prompts, n=2, max_tokens=3, echo=True, logprobs=1)
+    full = asyncio.run(serving.create_completion(_completion(**fields)))
+    by_choice = _by_choice(_stream(serving.create_completion, _completion(stream=True, **fields)))
+    assert sorted(by_choice) == [c.index for c in full.choices] == [0, 1, 2, 3]
+    for expected in full.choices:
+        chunks = by_choice[expected.index]
+        prompt = prompts[expected.index // 2]
+        first = chunks[0]
+        assert first["text"] == prompt and first["finish_reason"] is None
+        n_prompt = len(tokenizer.encode(prompt, add_special_tokens=False))
+        assert len(first["logprobs"]["tokens"]) == n_prompt
+        assert first["logprobs"]["token_logprobs"][0] is None
+        assert "".join(c["text"] for c in chunks) == expected.text
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            joined = sum((c["logprobs"][key] for c in chunks), [])
+            assert joined == getattr(expected.logprobs, key), key
+
+
+def test_a_stream_echoes_the_prompt_before_the_first_token_without_logprobs(tokenizer):
+    serving, engine = _serving(tokenizer, step_delay_s=0.05)
+
+    async def run():
+        stream = await serving.create_completion(_completion(max_tokens=3, echo=True, stream=True))
+        first = await anext(stream.events)
+        steps = engine.num_token_steps
+        await stream.events.aclose()
+        return first, steps
+
+    first, steps = asyncio.run(run())
+    assert steps == 0
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] == "Count:"
+
+
+def test_prompt_logprobs_in_vllm_shape(tokenizer):
+    serving, engine = _serving(tokenizer)
+    full = asyncio.run(
+        serving.create_completion(_completion(prompt=PROMPT, max_tokens=2, prompt_logprobs=2))
+    )
+    params = engine.calls[0]["params"]
+    assert (params.prompt_logprobs, params.logprobs) == (2, None)
+    prompt_ids = engine.calls[0]["prompt"]
+    body = full.model_dump(mode="json")["choices"][0]
+    assert body["text"] == tokenizer.decode(engine.answer_ids[:2]) and body["logprobs"] is None
+    positions = body["prompt_logprobs"]
+    assert len(positions) == len(prompt_ids) and positions[0] is None
+    expected = engine.prompt_logprobs(prompt_ids, 2)
+    for j, (token_id, position) in enumerate(zip(prompt_ids, positions), start=0):
+        if j == 0:
+            continue
+        own = position[str(token_id)]
+        assert own == {
+            "logprob": expected[j].logprob,
+            "rank": expected[j].rank,
+            "decoded_token": tokenizer.decode([token_id]),
+        }
+        # The top 2 at ranks 1 and 2, and the prompt token at its own rank (4) if not one.
+        ranks = sorted(c["rank"] for c in position.values())
+        assert ranks == ([1, 2] if j % 2 else [1, 2, 4])
+        assert all(c["decoded_token"] == tokenizer.decode([int(i)]) for i, c in position.items())
+
+    plain = asyncio.run(serving.create_completion(_completion(max_tokens=2)))
+    assert "prompt_logprobs" not in plain.model_dump(mode="json")["choices"][0]
+
+
+def test_echo_logprobs_and_prompt_logprobs_each_show_their_own_top_n(tokenizer):
+    serving, engine = _serving(tokenizer)
+    request = _completion(prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, prompt_logprobs=3)
+    choice = asyncio.run(serving.create_completion(request)).choices[0]
+    assert engine.calls[0]["params"].prompt_logprobs == 3
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+    for position in choice.prompt_logprobs[1:]:
+        assert sorted(c.rank for c in position.values())[:3] == [1, 2, 3]
+
+
+def test_a_stream_sends_prompt_logprobs_with_a_choices_first_text(tokenizer):
+    serving, _ = _serving(tokenizer)
+    fields = dict(prompt=PROMPT, n=2, max_tokens=3, prompt_logprobs=1)
+    full = asyncio.run(serving.create_completion(_completion(**fields)))
+    by_choice = _by_choice(_stream(serving.create_completion, _completion(stream=True, **fields)))
+    expected = full.model_dump(mode="json")["choices"][0]["prompt_logprobs"]
+    for chunks in by_choice.values():
+        assert chunks[0]["text"] and chunks[0]["prompt_logprobs"] == expected
+        assert all("prompt_logprobs" not in c for c in chunks[1:])
+
+
+def test_prompt_logprobs_are_asked_of_the_engine_only_when_shown():
+    cases = [
+        ({}, None),
+        ({"echo": True}, None),
+        ({"logprobs": 3}, None),
+        ({"echo": True, "logprobs": 3}, 3),
+        ({"echo": True, "logprobs": 0}, 0),
+        ({"prompt_logprobs": 2}, 2),
+        ({"echo": True, "logprobs": 1, "prompt_logprobs": 4}, 4),
+        ({"echo": True, "logprobs": 5, "prompt_logprobs": 0}, 5),
+    ]
+    for fields, expected in cases:
+        request = _completion(**fields)
+        params = to_sampling_params(request, 3, MAX_MODEL_LEN, 4, "max_tokens", request.logprobs)
+        assert params.prompt_logprobs == expected, fields
+    chat = to_sampling_params(
+        _chat(logprobs=True, top_logprobs=3), 3, MAX_MODEL_LEN, 4, "max_tokens", 3
+    )
+    assert chat.prompt_logprobs is None
+
+
+def test_echo_and_max_tokens_0_refusals_name_the_field(tokenizer):
+    serving, engine = _serving(tokenizer)
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_completion(_completion(max_tokens=0)))
+    assert (info.value.status_code, info.value.param) == (400, "max_tokens")
+    assert "echo" in info.value.message
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_chat_completion(_chat(max_tokens=0)))
+    assert info.value.param == "max_tokens" and "echo" not in info.value.message
+
+    no_tokenizer = ScriptedEngine(tokenizer)
+    no_tokenizer.tokenizer = None  # a model served without one (dummy weights)
+    with pytest.raises(APIError) as info:
+        asyncio.run(
+            OpenAIServing(no_tokenizer).create_completion(_completion(prompt=[5, 6], echo=True))
+        )
+    assert (info.value.status_code, info.value.param) == (400, "echo")
+    assert engine.calls == no_tokenizer.calls == []
 
 
 def test_chat_input_errors(tokenizer):

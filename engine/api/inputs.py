@@ -43,10 +43,15 @@ def to_sampling_params(
     """`max_tokens=None` means "up to max_model_len"; OpenAI's unset fields keep the
     engine's defaults."""
     room = max_model_len - prompt_len
-    if max_tokens is None:
+    if echo_only(request):
+        max_tokens = 1  # the prompt's logprobs come with the first generated token
+    elif max_tokens is None:
         max_tokens = room
     elif max_tokens < 1:
-        raise APIError(f"{max_tokens_field} must be >= 1, got {max_tokens}", param=max_tokens_field)
+        also = " (or 0 with echo=true)" if isinstance(request, CompletionRequest) else ""
+        raise APIError(
+            f"{max_tokens_field} must be >= 1{also}, got {max_tokens}", param=max_tokens_field
+        )
     elif max_tokens > room:
         raise APIError(
             f"{max_tokens_field}={max_tokens} is too large: the prompt has {prompt_len} "
@@ -76,6 +81,7 @@ def to_sampling_params(
             min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=_prompt_logprobs(request),
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             # A response sent whole needs only the final output: the engine sends no other.
@@ -87,6 +93,21 @@ def to_sampling_params(
     except ValueError as e:
         # SamplingParams names the field first: "temperature must be >= 0, got -1".
         raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def echo_only(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    """OpenAI's legacy `max_tokens: 0` with `echo`: the prompt back (to score it), nothing
+    generated."""
+    return isinstance(request, CompletionRequest) and request.echo and request.max_tokens == 0
+
+
+def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Top-N per prompt token, for echo with logprobs and for vLLM's prompt_logprobs. Only
+    then: they cost the prefix cache's hits (the whole prompt is computed)."""
+    if not isinstance(request, CompletionRequest):
+        return None
+    wanted = [request.prompt_logprobs, request.logprobs if request.echo else None]
+    return max((n for n in wanted if n is not None), default=None)
 
 
 def _structured_output(response_format: ResponseFormat | None) -> StructuredOutput | None:

@@ -8,7 +8,14 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 
 from engine.sampling_params import MAX_LOGPROBS
 
@@ -167,7 +174,11 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    """Each choice starts with its prompt (with logprobs: the prompt tokens' too); with
+    max_tokens=0, the prompt alone."""
     best_of: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: each choice carries the top-N logprobs of every prompt token."""
 
 
 class TextContentPart(_Request):
@@ -223,10 +234,21 @@ class UsageInfo(_Response):
 
 
 class CompletionLogprobs(_Response):
+    """An echoed prompt's first token has no logprob: null in token_logprobs and top_logprobs."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(_Response):
+    """One candidate at a prompt position, as vLLM's prompt_logprobs lists it."""
+
+    logprob: float
+    rank: int
+    """1 = the most likely token."""
+    decoded_token: str
 
 
 class CompletionChoice(_Response):
@@ -234,6 +256,16 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    """vLLM's: per prompt token (None for the first), token id -> its logprob, for the prompt
+    token and the top-N. Left out of the JSON unless asked for."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unasked_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if self.prompt_logprobs is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class CompletionResponse(_Response):

@@ -1,94 +1,95 @@
-"""Engine outputs -> OpenAI response bodies and SSE chunks.
-
-Engine outputs are cumulative; `DeltaTracker` remembers how much of each choice has been
-sent, so a stream emits only the new text (and the logprobs of the new tokens).
-"""
+"""Engine outputs -> OpenAI response bodies (engine/api/stream.py streams them)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+from dataclasses import dataclass, replace
 
+from engine.api.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 from engine.api.protocol import (
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
     CompletionChoice,
-    CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
-    TopLogprob,
+    PromptLogprob,
     UsageInfo,
 )
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-
-DONE = "data: [DONE]\n\n"
+from engine.outputs import CompletionOutput, RequestOutput
 
 
-def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-def sse_error(body: dict) -> str:
-    return sse(json.dumps(body))
-
-
-class TokenText:
-    """Token id -> its text, cached (logprobs ask for the same ids again and again)."""
-
-    def __init__(self, tokenizer: object | None) -> None:
-        # Without a tokenizer (dummy weights, token-id prompts) tokens have no text.
-        self._decode: Callable[[list[int]], str] = (
-            tokenizer.decode if tokenizer is not None else lambda ids: ""
-        )
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._decode([token_id])
-        return text
-
-
-def completion_logprobs(
-    entries: list[TokenLogprobs], token_text: TokenText, text_offset: int = 0
-) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    for entry in entries:
-        token = token_text(entry.token_id)
-        out.tokens.append(token)
-        out.token_logprobs.append(entry.logprob)
-        out.top_logprobs.append({token_text(i): lp for i, lp in entry.top.items()})
-        out.text_offset.append(text_offset)
-        text_offset += len(token)
-    return out
-
-
-def chat_logprobs(entries: list[TokenLogprobs], token_text: TokenText) -> ChatLogprobs:
-    content = []
-    for entry in entries:
-        token = token_text(entry.token_id)
-        top = [
-            TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-            for t, lp in ((token_text(i), lp) for i, lp in entry.top.items())
-        ]
-        content.append(
-            ChatTokenLogprob(
-                token=token, logprob=entry.logprob, bytes=list(token.encode()), top_logprobs=top
-            )
-        )
-    return ChatLogprobs(content=content)
-
-
-def usage_of(prompt_lens: list[int], outputs: list[RequestOutput]) -> UsageInfo:
+def usage_of(
+    prompt_lens: list[int], outputs: list[RequestOutput], echo_only: bool = False
+) -> UsageInfo:
     prompt = sum(prompt_lens)
-    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    completion = 0 if echo_only else sum(len(c.token_ids) for out in outputs for c in out.outputs)
     return UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+@dataclass(frozen=True)
+class CompletionFormat:
+    """What a completion's choices show besides the generated text."""
+
+    logprobs: int | None = None
+    """OpenAI's logprobs: top-N per token; None: no logprobs."""
+    echo: list[str] | None = None
+    """OpenAI's echo: per prompt, the text its choices start with."""
+    echo_only: bool = False
+    """echo with max_tokens=0: the prompt alone (the engine still generates one token)."""
+    prompt_logprobs: int | None = None
+    """vLLM's prompt_logprobs: top-N per prompt token."""
+
+    @property
+    def shows_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None or (
+            self.echo is not None and self.logprobs is not None
+        )
+
+
+@dataclass(frozen=True)
+class PromptPart:
+    """A choice's prompt: the echoed text and its logprobs, vLLM's prompt_logprobs."""
+
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+
+
+def prompt_part(
+    fmt: CompletionFormat, prompt_index: int, output: RequestOutput, token_text: TokenText
+) -> PromptPart:
+    ids, entries = output.prompt_token_ids, output.prompt_logprobs
+    text, logprobs, prompt_logprobs = "", None, None
+    if fmt.echo is not None:
+        text = fmt.echo[prompt_index]
+        if fmt.logprobs is not None:
+            logprobs = echo_logprobs(ids, entries, token_text, fmt.logprobs)
+    if fmt.prompt_logprobs is not None:
+        prompt_logprobs = vllm_prompt_logprobs(ids, entries, token_text, fmt.prompt_logprobs)
+    return PromptPart(text, logprobs, prompt_logprobs)
+
+
+def shown(fmt: CompletionFormat, completion: CompletionOutput) -> CompletionOutput:
+    """What a choice shows of its generated tokens: none with echo_only."""
+    if not fmt.echo_only:
+        return completion
+    # OpenAI's finish reason for max_tokens=0 whatever the one token was; an abort stays one.
+    finish = completion.finish_reason
+    return replace(
+        completion,
+        text="",
+        token_ids=[],
+        logprobs=None,
+        finish_reason=finish if finish in (None, "abort") else "length",
     )
 
 
@@ -98,21 +99,25 @@ def completion_response(
     outputs: list[RequestOutput],
     usage: UsageInfo,
     token_text: TokenText,
-    with_logprobs: bool,
+    fmt: CompletionFormat,
 ) -> CompletionResponse:
     """One choice per (prompt, sample): index = prompt index * n + sample index."""
     choices = []
     for i, out in enumerate(outputs):
+        prompt = prompt_part(fmt, i, out, token_text)
         for c in out.outputs:
-            logprobs = None
-            if with_logprobs and c.logprobs is not None:
-                logprobs = completion_logprobs(c.logprobs, token_text)
+            c = shown(fmt, c)
+            logprobs = prompt.logprobs
+            if fmt.logprobs is not None and c.logprobs is not None:
+                generated = completion_logprobs(c.logprobs, token_text, len(prompt.text))
+                logprobs = generated if logprobs is None else joined(logprobs, generated)
             choices.append(
                 CompletionChoice(
                     index=i * len(out.outputs) + c.index,
-                    text=c.text,
+                    text=prompt.text + c.text,
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
+                    prompt_logprobs=prompt.prompt_logprobs,
                 )
             )
     return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
@@ -140,108 +145,3 @@ def chat_response(
             )
         )
     return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
-
-
-class _Sent:
-    __slots__ = ("text", "logprobs", "offset", "finished", "started")
-
-    def __init__(self) -> None:
-        self.text = 0
-        self.logprobs = 0
-        self.offset = 0
-        self.finished = False
-        self.started = False
-
-
-class DeltaTracker:
-    """Turns successive cumulative outputs into OpenAI stream chunks (as SSE text)."""
-
-    def __init__(
-        self,
-        *,
-        chat: bool,
-        response_id: str,
-        created: int,
-        model: str,
-        include_usage: bool,
-        with_logprobs: bool,
-        token_text: TokenText,
-    ) -> None:
-        self.chat = chat
-        self.response_id = response_id
-        self.created = created
-        self.model = model
-        self.include_usage = include_usage
-        self.with_logprobs = with_logprobs
-        self.token_text = token_text
-        self._sent: dict[int, _Sent] = {}
-
-    def chunks(self, output: RequestOutput, index_base: int = 0) -> str:
-        """SSE events for what `output` adds to what was already sent ("" for nothing)."""
-        events = []
-        for completion in output.outputs:
-            index = index_base + completion.index
-            sent = self._sent.get(index)
-            if sent is None:
-                sent = self._sent[index] = _Sent()
-            events.extend(self._choice_events(index, completion, sent))
-        return "".join(events)
-
-    def usage_chunk(self, usage: UsageInfo) -> str:
-        cls = ChatCompletionChunk if self.chat else CompletionChunk
-        chunk = cls(
-            id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage
-        )
-        return sse(chunk.model_dump_json())
-
-    def _choice_events(self, index: int, completion: CompletionOutput, sent: _Sent) -> list[str]:
-        if sent.finished:
-            return []
-        events = []
-        if self.chat and not sent.started:
-            sent.started = True
-            events.append(self._chat_event(index, {"role": "assistant", "content": ""}))
-        text = completion.text[sent.text :]
-        finish = completion.finish_reason
-        if not text and finish is None:
-            return events
-        logprobs = None
-        if self.with_logprobs and completion.logprobs is not None:
-            new = completion.logprobs[sent.logprobs :]
-            sent.logprobs += len(new)
-            if self.chat:
-                logprobs = chat_logprobs(new, self.token_text)
-            else:
-                logprobs = completion_logprobs(new, self.token_text, sent.offset)
-                sent.offset += sum(len(token) for token in logprobs.tokens)
-        sent.text += len(text)
-        if self.chat:
-            if text or logprobs is not None:
-                events.append(self._chat_event(index, {"content": text}, logprobs=logprobs))
-            if finish is not None:
-                events.append(self._chat_event(index, {}, finish_reason=finish))
-        else:
-            choice = CompletionChoice(
-                index=index, text=text, logprobs=logprobs, finish_reason=finish
-            )
-            events.append(self._event(CompletionChunk, choice))
-        sent.finished = finish is not None
-        return events
-
-    def _chat_event(
-        self,
-        index: int,
-        delta: dict,
-        logprobs: ChatLogprobs | None = None,
-        finish_reason: str | None = None,
-    ) -> str:
-        choice = ChatChunkChoice(
-            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
-        )
-        return self._event(ChatCompletionChunk, choice)
-
-    def _event(self, cls: type, choice: object) -> str:
-        chunk = cls(id=self.response_id, created=self.created, model=self.model, choices=[choice])
-        # OpenAI sends "usage": null on every chunk only when the client asked for usage.
-        exclude = None if self.include_usage else {"usage"}
-        return sse(chunk.model_dump_json(exclude=exclude))

@@ -18,7 +18,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.api.inputs import chat_messages, check_prompt, to_sampling_params
+from engine.api.inputs import chat_messages, check_prompt, echo_only, to_sampling_params
+from engine.api.logprobs import TokenText
 from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -33,15 +34,8 @@ from engine.api.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from engine.api.render import (
-    DONE,
-    DeltaTracker,
-    TokenText,
-    chat_response,
-    completion_response,
-    sse_error,
-    usage_of,
-)
+from engine.api.render import CompletionFormat, chat_response, completion_response, usage_of
+from engine.api.stream import DONE, ChatDeltaTracker, CompletionDeltaTracker, sse_error
 from engine.async_engine import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputError
@@ -97,14 +91,18 @@ class OpenAIServing:
         self, request: CompletionRequest, ctx: RequestContext | None = None
     ) -> CompletionResponse | SSEStream:
         self._check_model(request.model)
-        if request.echo:
-            raise APIError("echo is not supported", param="echo")
         if request.best_of not in (None, request.n):
             raise APIError(f"best_of must equal n ({request.n})", param="best_of")
         prompts = [
             check_prompt(ids, self.max_model_len, "prompt")
             for ids in await self._encode_prompts(request)
         ]
+        fmt = CompletionFormat(
+            logprobs=request.logprobs,
+            echo=self._echo_texts(request.prompt, prompts) if request.echo else None,
+            echo_only=echo_only(request),
+            prompt_logprobs=request.prompt_logprobs,
+        )
         # OpenAI's default of 16 yields to a long prompt; an explicit max_tokens does not.
         explicit = "max_tokens" in request.model_fields_set
         params = [
@@ -118,7 +116,7 @@ class OpenAIServing:
             )
             for ids in prompts
         ]
-        return await self._run(request, prompts, params, ctx or RequestContext(), chat=False)
+        return await self._run(request, prompts, params, ctx or RequestContext(), fmt)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, ctx: RequestContext | None = None
@@ -135,7 +133,7 @@ class OpenAIServing:
         params = to_sampling_params(
             request, len(ids), self.max_model_len, max_tokens, max_field, logprobs
         )
-        return await self._run(request, [ids], [params], ctx or RequestContext(), chat=True)
+        return await self._run(request, [ids], [params], ctx or RequestContext(), None)
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """The ids a completion of `prompt` (or a chat of `messages`) would compute."""
@@ -195,6 +193,22 @@ class OpenAIServing:
             return [list(prompt)]
         return [list(p) for p in prompt]
 
+    def _echo_texts(
+        self, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]
+    ) -> list[str]:
+        """Each prompt's text as echo returns it: as given, token ids decoded."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise APIError(
+                "echo needs a tokenizer to turn a token-id prompt into text, and this model "
+                "has none",
+                param="echo",
+            )
+        return [self.tokenizer.decode(p) for p in ids]
+
     async def _apply_chat_template(
         self, request: ChatCompletionRequest | TokenizeRequest
     ) -> list[int]:
@@ -228,8 +242,10 @@ class OpenAIServing:
         prompts: list[list[int]],
         params: list[SamplingParams],
         ctx: RequestContext,
-        chat: bool,
+        fmt: CompletionFormat | None,
     ) -> CompletionResponse | ChatCompletionResponse | SSEStream:
+        """`fmt`: a completion's; None for a chat."""
+        chat = fmt is None
         response_id = ctx.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         priority = ctx.priority if request.priority is None else max(ctx.priority, request.priority)
         gens = [
@@ -245,7 +261,7 @@ class OpenAIServing:
             raise
         prompt_lens = [len(ids) for ids in prompts]
         if request.stream:
-            return self._stream(request, outputs, first, deadline, response_id, prompt_lens, chat)
+            return self._stream(request, outputs, first, deadline, response_id, prompt_lens, fmt)
         async with aclosing(outputs):
             finals: dict[int, RequestOutput] = {}
             item = first
@@ -253,19 +269,13 @@ class OpenAIServing:
                 finals[item[0]] = item[1]
                 item = await _next(outputs, deadline)
         final = [finals[i] for i in range(len(prompts))]
-        usage = usage_of(prompt_lens, final)
         if chat:
+            usage = usage_of(prompt_lens, final)
             return chat_response(
                 response_id, self.model_name, final[0], usage, self.token_text, request.logprobs
             )
-        return completion_response(
-            response_id,
-            self.model_name,
-            final,
-            usage,
-            self.token_text,
-            request.logprobs is not None,
-        )
+        usage = usage_of(prompt_lens, final, fmt.echo_only)
+        return completion_response(response_id, self.model_name, final, usage, self.token_text, fmt)
 
     def _stream(
         self,
@@ -275,18 +285,21 @@ class OpenAIServing:
         deadline: float | None,
         response_id: str,
         prompt_lens: list[int],
-        chat: bool,
+        fmt: CompletionFormat | None,
     ) -> SSEStream:
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        tracker = DeltaTracker(
-            chat=chat,
+        common = dict(
             response_id=response_id,
             created=int(time.time()),
             model=self.model_name,
+            n=request.n,
             include_usage=include_usage,
-            with_logprobs=request.logprobs if chat else request.logprobs is not None,
             token_text=self.token_text,
         )
+        if fmt is None:
+            tracker = ChatDeltaTracker(with_logprobs=request.logprobs, **common)
+        else:
+            tracker = CompletionDeltaTracker(fmt=fmt, **common)
         result = SSEStream()
 
         async def events() -> AsyncIterator[str]:
@@ -297,7 +310,7 @@ class OpenAIServing:
                     while item is not None:
                         i, output = item
                         latest[i] = output
-                        text = tracker.chunks(output, index_base=i * request.n)
+                        text = tracker.chunks(output, prompt_index=i)
                         if text:
                             yield text
                         item = await _next(outputs, deadline)
@@ -305,7 +318,8 @@ class OpenAIServing:
                     yield sse_error(e.to_response().model_dump())
                     yield DONE
                     return
-            result.usage = usage_of(prompt_lens, list(latest.values()))
+            echo_only = fmt is not None and fmt.echo_only
+            result.usage = usage_of(prompt_lens, list(latest.values()), echo_only)
             if include_usage:
                 yield tracker.usage_chunk(result.usage)
             yield DONE

@@ -1,0 +1,223 @@
+"""Engine outputs -> OpenAI SSE chunks.
+
+Engine outputs are cumulative; a `DeltaTracker` remembers how much of each choice has been
+sent, so a stream emits only the new text (and the logprobs of the new tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.api.logprobs import TokenText, chat_logprobs, completion_logprobs
+from engine.api.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    PromptLogprob,
+    UsageInfo,
+)
+from engine.api.render import CompletionFormat, prompt_part, shown
+from engine.outputs import CompletionOutput, RequestOutput
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_error(body: dict) -> str:
+    return sse(json.dumps(body))
+
+
+class _Sent:
+    __slots__ = ("text", "logprobs", "offset", "finished", "started", "prompt_logprobs")
+
+    def __init__(self) -> None:
+        self.text = 0
+        self.logprobs = 0
+        self.offset = 0
+        self.finished = False
+        self.started = False
+        """A chat's role chunk, or a completion's prompt part (echo, prompt_logprobs), done."""
+        self.prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+        """Waiting for the choice's first generated text, to go out with it."""
+
+
+class DeltaTracker:
+    """Turns successive cumulative outputs into OpenAI stream chunks (as SSE text)."""
+
+    chunk_cls: type[ChatCompletionChunk] | type[CompletionChunk]
+
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        created: int,
+        model: str,
+        n: int,
+        include_usage: bool,
+        token_text: TokenText,
+    ) -> None:
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.n = n
+        self.include_usage = include_usage
+        self.token_text = token_text
+        self._sent: dict[int, _Sent] = {}
+
+    def chunks(self, output: RequestOutput, prompt_index: int = 0) -> str:
+        """SSE events for what `output` adds to what was already sent ("" for nothing)."""
+        events = []
+        for completion in output.outputs:
+            index = prompt_index * self.n + completion.index
+            sent = self._sent.get(index)
+            if sent is None:
+                sent = self._sent[index] = _Sent()
+            if not sent.finished:
+                events.extend(self._choice_events(index, prompt_index, output, completion, sent))
+        return "".join(events)
+
+    def usage_chunk(self, usage: UsageInfo) -> str:
+        chunk = self.chunk_cls(
+            id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+        return sse(chunk.model_dump_json())
+
+    def _choice_events(
+        self,
+        index: int,
+        prompt_index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        sent: _Sent,
+    ) -> list[str]:
+        raise NotImplementedError
+
+    def _event(self, choice: ChatChunkChoice | CompletionChoice) -> str:
+        chunk = self.chunk_cls(
+            id=self.response_id, created=self.created, model=self.model, choices=[choice]
+        )
+        # OpenAI sends "usage": null on every chunk only when the client asked for usage.
+        exclude = None if self.include_usage else {"usage"}
+        return sse(chunk.model_dump_json(exclude=exclude))
+
+
+class ChatDeltaTracker(DeltaTracker):
+    chunk_cls = ChatCompletionChunk
+
+    def __init__(self, *, with_logprobs: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.with_logprobs = with_logprobs
+
+    def _choice_events(
+        self,
+        index: int,
+        prompt_index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        sent: _Sent,
+    ) -> list[str]:
+        events = []
+        if not sent.started:
+            sent.started = True
+            events.append(self._chat_event(index, {"role": "assistant", "content": ""}))
+        text = completion.text[sent.text :]
+        finish = completion.finish_reason
+        if not text and finish is None:
+            return events
+        sent.text += len(text)
+        logprobs = None
+        if self.with_logprobs and completion.logprobs is not None:
+            new = completion.logprobs[sent.logprobs :]
+            sent.logprobs += len(new)
+            logprobs = chat_logprobs(new, self.token_text)
+        if text or logprobs is not None:
+            events.append(self._chat_event(index, {"content": text}, logprobs=logprobs))
+        if finish is not None:
+            events.append(self._chat_event(index, {}, finish_reason=finish))
+        sent.finished = finish is not None
+        return events
+
+    def _chat_event(
+        self,
+        index: int,
+        delta: dict,
+        logprobs: ChatLogprobs | None = None,
+        finish_reason: str | None = None,
+    ) -> str:
+        return self._event(
+            ChatChunkChoice(
+                index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
+            )
+        )
+
+
+class CompletionDeltaTracker(DeltaTracker):
+    """A choice's prompt part (echo, vLLM's prompt_logprobs) goes out before its generated
+    text: at once, or where it shows the prompt's logprobs, once the engine gave them (with
+    the first generated token)."""
+
+    chunk_cls = CompletionChunk
+
+    def __init__(self, *, fmt: CompletionFormat, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fmt = fmt
+
+    def _choice_events(
+        self,
+        index: int,
+        prompt_index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        sent: _Sent,
+    ) -> list[str]:
+        events = []
+        if not sent.started:
+            # An engine that ends a request early (abort) may never give the prompt's logprobs.
+            waiting = self.fmt.shows_prompt_logprobs and output.prompt_logprobs is None
+            if waiting and completion.finish_reason is None:
+                return events
+            sent.started = True
+            prompt = prompt_part(self.fmt, prompt_index, output, self.token_text)
+            if self.fmt.echo is None:
+                sent.prompt_logprobs = prompt.prompt_logprobs
+            else:
+                events.append(
+                    self._event(
+                        CompletionChoice(
+                            index=index,
+                            text=prompt.text,
+                            logprobs=prompt.logprobs,
+                            prompt_logprobs=prompt.prompt_logprobs,
+                        )
+                    )
+                )
+                sent.offset = len(prompt.text)
+        completion = shown(self.fmt, completion)
+        text = completion.text[sent.text :]
+        finish = completion.finish_reason
+        if not text and finish is None:
+            return events
+        sent.text += len(text)
+        logprobs = None
+        if self.fmt.logprobs is not None and completion.logprobs is not None:
+            new = completion.logprobs[sent.logprobs :]
+            sent.logprobs += len(new)
+            logprobs = completion_logprobs(new, self.token_text, sent.offset)
+            sent.offset += sum(len(token) for token in logprobs.tokens)
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish,
+            prompt_logprobs=sent.prompt_logprobs,
+        )
+        events.append(self._event(choice))
+        sent.prompt_logprobs = None
+        sent.finished = finish is not None
+        return events
