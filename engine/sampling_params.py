@@ -38,17 +38,45 @@ class StructuredOutputError(ValueError):
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrain a request's output to JSON: any JSON object when json_schema is None
-    (OpenAI's "json_object"), else a value that matches the JSON Schema (given as text)."""
+    """Constrain a request's output: to a value that matches a JSON Schema (given as text), a
+    regular expression, one of `choice`'s strings, or an EBNF grammar (xgrammar's dialect,
+    rules `name ::= ...`, the start rule `root`); with none of them, to any JSON object
+    (OpenAI's "json_object"). At most one."""
 
     json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
+        for name, what in (("json_schema", "JSON Schema text"), ("regex", "a string")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise StructuredOutputError(
+                    f"structured_output.{name} must be {what}, got {type(value).__name__}"
+                )
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise StructuredOutputError("structured_output.grammar must be EBNF text")
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not all(isinstance(c, str) for c in choice) or not choice:
+                raise StructuredOutputError(
+                    "structured_output.choice must be a non-empty list of strings"
+                )
+            object.__setattr__(self, "choice", tuple(choice))
+        given = [name for name in self._KINDS if getattr(self, name) is not None]
+        if len(given) > 1:
             raise StructuredOutputError(
-                f"structured_output.json_schema must be JSON Schema text, got "
-                f"{type(self.json_schema).__name__}"
+                f"structured_output takes one of json_schema, regex, choice or grammar, "
+                f"got {' and '.join(given)}"
             )
+
+    _KINDS = ("json_schema", "regex", "choice", "grammar")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: one of _KINDS, or "json_object"."""
+        return next((k for k in self._KINDS if getattr(self, k) is not None), "json_object")
 
 
 @dataclass(slots=True)

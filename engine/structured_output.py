@@ -1,8 +1,10 @@
-"""JSON-constrained sampling (OpenAI's response_format) on xgrammar's grammar matchers.
+"""Constrained sampling (OpenAI's response_format, vLLM's structured_outputs: a JSON schema,
+any JSON object, a regular expression, a choice of strings, an EBNF grammar) on xgrammar's
+grammar matchers.
 
 The engine keeps a matcher for each sample of a structured request. For a step, every such
 request scheduled in it gets the bitmask of the tokens that keep its output a prefix of
-valid JSON, given the tokens it has so far; the sampler sets every other logit to -inf, and
+what the grammar accepts, given the tokens it has so far; the sampler sets every other logit to -inf, and
 each token sampled then advances the matcher. A mask needs the request's latest token, so
 while a structured request runs the engine reads each step before it schedules the next
 (no step is launched ahead of its predecessor's tokens).
@@ -18,6 +20,7 @@ A schema can take seconds to compile (a string of 100 to 2,000 characters took 1
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -57,14 +60,20 @@ class StructuredOutputs:
             )
             # The compiler keeps compiled grammars (a request's schema is often the last one's).
             self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=_GRAMMAR_CACHE_BYTES)
-        schema = _OBJECT_SCHEMA if spec.json_schema is None else spec.json_schema
         try:
+            if spec.regex is not None:
+                return self._compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return self._compiler.compile_grammar(choice_grammar(spec.choice))
+            if spec.grammar is not None:
+                return self._compiler.compile_grammar(spec.grammar)
+            schema = _OBJECT_SCHEMA if spec.json_schema is None else spec.json_schema
             return self._compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as e:  # xgrammar raises RuntimeError with the reason
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            what = {"json_schema": "a JSON schema", "regex": "a regular expression"}
             raise StructuredOutputError(
-                f"structured_output (response_format): a JSON schema this server cannot "
-                f"follow: {reason}"
+                f"structured_output: {what.get(spec.kind, 'a grammar')} this server cannot "
+                f"follow: {_reason(e)}"
             ) from None
 
     def compile_in_background(self, spec: StructuredOutput) -> Future:
@@ -103,3 +112,33 @@ class StructuredOutputs:
             # ignore_eos may sample again and again): nothing more to follow.
             if matcher.is_terminated() or not matcher.accept_token(token):
                 return
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose only sentences are `choices`."""
+    return "root ::= " + " | ".join(_ebnf_string(c) for c in choices)
+
+
+def _ebnf_string(text: str) -> str:
+    escaped = []
+    for ch in text:
+        if ch in '"\\':
+            escaped.append("\\" + ch)
+        elif ch in _ESCAPES:
+            escaped.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20:
+            escaped.append(f"\\x{ord(ch):02x}")
+        else:
+            escaped.append(ch)
+    return '"' + "".join(escaped) + '"'
+
+
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its log prefix ("[time] file.cc:83: ")."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text.splitlines()[-1])

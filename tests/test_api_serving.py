@@ -570,6 +570,59 @@ def test_response_format_reaches_the_engine_as_a_structured_output(tokenizer):
         _chat(response_format={"type": "yaml"})
 
 
+def test_vllms_structured_outputs_reach_the_engine(tokenizer):
+    serving, engine = _serving(tokenizer)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    cases = [
+        ({"json": schema}, StructuredOutput(json.dumps(schema))),
+        ({"json": '{"type": "string"}'}, StructuredOutput('{"type": "string"}')),
+        ({"regex": "[0-9]+"}, StructuredOutput(regex="[0-9]+")),
+        ({"choice": ["yes", "no"]}, StructuredOutput(choice=("yes", "no"))),
+        ({"grammar": 'root ::= "a"'}, StructuredOutput(grammar='root ::= "a"')),
+        ({"json_object": True}, StructuredOutput()),
+    ]
+    for fields, _ in cases:
+        asyncio.run(serving.create_completion(_completion(structured_outputs=fields)))
+        asyncio.run(serving.create_chat_completion(_chat(max_tokens=2, structured_outputs=fields)))
+    specs = [call["params"].structured_output for call in engine.calls]
+    assert specs == [want for _, want in cases for _ in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "exactly one of .* got none"),
+        ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+        ({"json_object": False}, "got none"),
+    ],
+)
+def test_structured_outputs_takes_exactly_one_kind(tokenizer, fields, message):
+    serving, engine = _serving(tokenizer)
+    with pytest.raises(APIError, match=message) as info:
+        asyncio.run(serving.create_completion(_completion(structured_outputs=fields)))
+    assert info.value.status_code == 400 and info.value.param == "structured_outputs"
+    assert engine.calls == []
+
+
+def test_structured_outputs_beside_a_json_response_format_is_refused(tokenizer):
+    serving, _ = _serving(tokenizer)
+    request = _chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"})
+    with pytest.raises(APIError, match="not both") as info:
+        asyncio.run(serving.create_chat_completion(request))
+    assert info.value.param == "structured_outputs"
+    for bad in ({"regexp": "a"}, {"choice": []}, {"choice": "yes"}):
+        with pytest.raises(ValidationError, match="structured_outputs"):
+            _completion(structured_outputs=bad)
+
+
+def test_an_engine_refusal_of_a_regex_names_structured_outputs(tokenizer):
+    serving, engine = _serving(tokenizer)
+    engine.fail = StructuredOutputError("structured_output: a regular expression ...")
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_completion(_completion(structured_outputs={"regex": "("})))
+    assert info.value.status_code == 400 and info.value.param == "structured_outputs"
+
+
 def test_an_engine_refusal_of_a_schema_names_response_format(tokenizer):
     serving, engine = _serving(tokenizer)
     engine.fail = StructuredOutputError("structured_output (response_format): a JSON schema ...")

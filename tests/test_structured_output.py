@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 
 import numpy as np
@@ -111,6 +112,34 @@ def test_json_object_outputs_parse_for_sampled_requests_and_each_of_n(llm):
                 assert choice.text.startswith("{")
 
 
+def test_a_regex_a_choice_and_a_grammar_shape_the_output(llm):
+    ids = _chat_ids(llm, "Name a city and a year.")
+    regex = r"[A-Z][a-z]{2,8}, [0-9]{4}"
+    choices = ['say "hi"', "a\\b", "line\nbreak"]  # quotes, backslashes, newlines escaped
+    specs = [
+        StructuredOutput(regex=regex),
+        StructuredOutput(choice=choices),
+        StructuredOutput(grammar='root ::= "The answer is " ("yes" | "no") "."'),
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_output=spec) for spec in specs
+    ]
+    shaped = [o.outputs[0] for o in llm.generate([ids] * 3, params)]
+    assert all(s.finish_reason == "stop" for s in shaped)
+    assert re.fullmatch(regex, shaped[0].text)
+    assert shaped[1].text in choices
+    assert re.fullmatch(r"The answer is (yes|no)\.", shaped[2].text)
+
+
+def test_one_kind_of_structured_output_at_a_time():
+    with pytest.raises(ValueError, match="regex and choice"):
+        StructuredOutput(regex="a+", choice=["a"])
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutput(choice=[])
+    assert StructuredOutput(choice=["a", "b"]).choice == ("a", "b")
+    assert StructuredOutput().kind == "json_object"
+
+
 def test_a_mask_is_built_only_for_steps_that_sample():
     # The prompt goes in chunks of 16 tokens: only the last chunk and the decodes sample.
     llm = LLM(max_model_len=512, max_num_batched_tokens=16, max_num_seqs=4)
@@ -136,6 +165,12 @@ def test_a_schema_that_cannot_be_followed_is_refused_and_the_engine_goes_on(llm)
         llm.engine.add_request("bad", [1, 2, 3], bad)
     with pytest.raises(ValueError, match="structured_output"):
         StructuredOutput({"type": "object"})  # a dict, not schema text
+    for spec, reason in [
+        (StructuredOutput(regex="("), "regular expression .*parenthesis"),
+        (StructuredOutput(grammar="root ::= missing"), 'grammar .*"missing" is not defined'),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            llm.engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=spec))
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, structured_output=StructuredOutput())
     assert not llm.engine.has_unfinished_requests()

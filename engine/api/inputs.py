@@ -73,7 +73,7 @@ def to_sampling_params(
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
         "logit_bias": _logit_bias(request.logit_bias),
-        "structured_output": _structured_output(request.response_format),
+        "structured_output": _structured_output(request),
     }
     try:
         return SamplingParams(
@@ -110,7 +110,46 @@ def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int 
     return max((n for n in wanted if n is not None), default=None)
 
 
-def _structured_output(response_format: ResponseFormat | None) -> StructuredOutput | None:
+def _structured_output(
+    request: CompletionRequest | ChatCompletionRequest,
+) -> StructuredOutput | None:
+    from_format = _from_response_format(request.response_format)
+    wanted = request.structured_outputs
+    if wanted is None:
+        return from_format
+    if from_format is not None:
+        raise APIError(
+            "give response_format or structured_outputs, not both", param="structured_outputs"
+        )
+    given = {
+        name: value
+        for name, value in (
+            ("json", wanted.json_),
+            ("regex", wanted.regex),
+            ("choice", wanted.choice),
+            ("grammar", wanted.grammar),
+            ("json_object", wanted.json_object or None),
+        )
+        if value is not None
+    }
+    if len(given) != 1:
+        got = ", ".join(given) or "none"
+        raise APIError(
+            f"structured_outputs takes exactly one of json, regex, choice, grammar or "
+            f"json_object, got {got}",
+            param="structured_outputs",
+        )
+    ((name, value),) = given.items()
+    if name == "json":
+        value = value if isinstance(value, str) else json.dumps(value)
+        name = "json_schema"
+    try:
+        return StructuredOutput() if name == "json_object" else StructuredOutput(**{name: value})
+    except ValueError as e:
+        raise APIError(str(e), param="structured_outputs") from None
+
+
+def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutput | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":

@@ -138,6 +138,18 @@ class ResponseFormat(_Request):
     json_schema: JSONSchemaFormat | None = None
 
 
+class StructuredOutputsParams(_Request):
+    """vLLM's structured_outputs: one of a JSON schema (an object, or its text), a regular
+    expression, a choice of strings, an EBNF grammar (xgrammar's dialect, start rule
+    `root`), or any JSON object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Request):
     """Fields both endpoints share: OpenAI's, then vLLM's extensions."""
 
@@ -166,6 +178,8 @@ class _SamplingFields(_Request):
     priority: int | None = None
     """Scheduling priority (lower runs first); never more urgent than the tenant's own."""
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    """vLLM's: the output follows a JSON schema, a regex, a choice or a grammar."""
     """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
 
 

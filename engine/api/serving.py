@@ -254,8 +254,12 @@ class OpenAIServing:
         ]
         deadline = _loop_deadline(ctx.deadline)
         outputs = _merge(gens)
+        # A grammar that does not compile fails the first output: name the field it came in.
+        structured = (
+            "response_format" if request.structured_outputs is None else "structured_outputs"
+        )
         try:
-            first = await _next(outputs, deadline)
+            first = await _next(outputs, deadline, structured)
         except BaseException:
             await outputs.aclose()
             raise
@@ -334,8 +338,11 @@ def _loop_deadline(deadline: float | None) -> float | None:
     return asyncio.get_running_loop().time() + (deadline - time.time())
 
 
-async def _next(outputs: AsyncIterator, deadline: float | None) -> Any:
-    """The next item, None at the end; engine errors become APIErrors."""
+async def _next(
+    outputs: AsyncIterator, deadline: float | None, structured: str = "response_format"
+) -> Any:
+    """The next item, None at the end; engine errors become APIErrors (a structured output
+    the engine refuses names the request's field `structured`)."""
     try:
         if deadline is None:
             return await anext(outputs)
@@ -352,7 +359,7 @@ async def _next(outputs: AsyncIterator, deadline: float | None) -> Any:
     except EngineDeadError as e:
         raise APIError(f"the engine is not running: {e}", 503, code="engine_dead") from None
     except StructuredOutputError as e:
-        raise APIError(str(e), param="response_format") from None
+        raise APIError(str(e), param=structured) from None
     except ValueError as e:
         raise APIError(str(e)) from None
 
