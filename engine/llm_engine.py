@@ -550,10 +550,17 @@ class LLM:
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        """Apply the tokenizer's chat template to one conversation or a list of them
+        (`continue_final_message`: the model continues the last message)."""
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [apply_chat_template(self.engine.tokenizer, conv) for conv in conversations]
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            apply_chat_template(tokenizer, conv, add_generation_prompt, continue_final_message)
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params)

@@ -56,10 +56,20 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template."""
+    """Token ids of `messages` rendered with the tokenizer's chat template.
+
+    `continue_final_message`: the last message is left open (no end-of-turn after it), so
+    the model continues it, e.g. an assistant reply begun by the caller; it takes
+    add_generation_prompt=False (a new turn would follow the message otherwise)."""
     if not messages:
         raise ValueError("messages must contain at least one message")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message continues the last message: set add_generation_prompt "
+            "to false with it"
+        )
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
@@ -73,7 +83,10 @@ def apply_chat_template(
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template; send a plain prompt instead")
     text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
     )
     return encode_text(tokenizer, text)
 

@@ -570,6 +570,25 @@ def test_response_format_reaches_the_engine_as_a_structured_output(tokenizer):
         _chat(response_format={"type": "yaml"})
 
 
+def test_a_chat_can_continue_the_final_message(tokenizer):
+    serving, engine = _serving(tokenizer)
+    messages = [
+        {"role": "user", "content": "Introduce yourself."},
+        {"role": "assistant", "content": "Hello, my name"},
+    ]
+    fields = dict(messages=messages, max_tokens=2, add_generation_prompt=False)
+    asyncio.run(serving.create_chat_completion(_chat(continue_final_message=True, **fields)))
+    asyncio.run(serving.create_chat_completion(_chat(**fields)))
+    continued, closed = (tokenizer.decode(call["prompt"]) for call in engine.calls)
+    assert continued.endswith("assistant\nHello, my name")
+    assert closed.rstrip().endswith("<|im_end|>")
+    with pytest.raises(APIError, match="add_generation_prompt") as info:
+        asyncio.run(
+            serving.create_chat_completion(_chat(messages=messages, continue_final_message=True))
+        )
+    assert info.value.param == "continue_final_message"
+
+
 def test_vllms_structured_outputs_reach_the_engine(tokenizer):
     serving, engine = _serving(tokenizer)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
@@ -796,7 +815,7 @@ def test_long_prompts_tokenize_while_the_event_loop_streams_other_requests(token
 
     monkeypatch.setattr(
         "engine.api.serving.apply_chat_template",
-        lambda tok, messages, add: after_the_loop_ran(
+        lambda tok, messages, *flags: after_the_loop_ran(
             tok.encode("Count", add_special_tokens=False)
         ),
     )

@@ -207,6 +207,9 @@ def test_stop_strings_and_n_and_chat():
 
     chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=8))
     assert chat[0].outputs[0].token_ids
+    begun = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi! I am"}]
+    (continued,) = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)
+    assert llm.get_tokenizer().decode(continued.prompt_token_ids).endswith("assistant\nHi! I am")
 
 
 def test_overlapped_steps_match_synchronous_steps():

@@ -181,6 +181,25 @@ def test_chat_template_matches_hf(tokenizer):
     assert tokenizer.decode(with_prompt).endswith("<|im_start|>assistant\n")
 
 
+def test_a_final_message_can_be_continued(tokenizer):
+    messages = [
+        {"role": "user", "content": "Introduce yourself."},
+        {"role": "assistant", "content": "Hello, my name"},
+    ]
+    ids = apply_chat_template(
+        tokenizer, messages, add_generation_prompt=False, continue_final_message=True
+    )
+    expected = tokenizer.apply_chat_template(
+        messages, continue_final_message=True, tokenize=True, return_dict=False
+    )
+    assert ids == list(expected)
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nHello, my name")
+    closed = apply_chat_template(tokenizer, messages, add_generation_prompt=False)
+    assert tokenizer.decode(closed).rstrip().endswith("<|im_end|>")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        apply_chat_template(tokenizer, messages, continue_final_message=True)
+
+
 @pytest.mark.parametrize(
     "messages, match",
     [

@@ -213,6 +213,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's: the model continues the last message (with add_generation_prompt false)."""
 
 
 class TokenizeRequest(_Request):
@@ -222,6 +224,8 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's: the model continues the last message (with add_generation_prompt false)."""
     return_token_strs: bool = False
 
 

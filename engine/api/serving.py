@@ -214,11 +214,22 @@ class OpenAIServing:
     ) -> list[int]:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
+        if request.continue_final_message and request.add_generation_prompt:
+            raise APIError(
+                "continue_final_message continues the last message: set add_generation_prompt "
+                "to false with it",
+                param="continue_final_message",
+            )
         messages = chat_messages(request)
         size = sum(len(m["content"]) for m in messages)
         try:
             return await self._tokenize(
-                size, apply_chat_template, self.tokenizer, messages, request.add_generation_prompt
+                size,
+                apply_chat_template,
+                self.tokenizer,
+                messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
             )
         except Exception as e:
             raise APIError(f"messages: {e}", param="messages") from None
