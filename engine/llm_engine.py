@@ -20,7 +20,12 @@ from engine.loader import ModelSource, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
+from engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutput,
+    truncate_prompt,
+)
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.structured_output import StructuredOutputs
@@ -190,6 +195,8 @@ class LLMEngine:
             prompt_text, prompt_ids = prompt, self.encode(prompt)
         else:
             prompt_text, prompt_ids = None, list(prompt)
+        max_len = self.config.scheduler_config.max_model_len
+        prompt_ids = truncate_prompt(prompt_ids, sampling_params.truncate_prompt_tokens, max_len)
         self._check_prompt(prompt_ids)
         bad = [t for t in sampling_params.logit_bias or () if t >= self.vocab_size]
         if bad:

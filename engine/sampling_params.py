@@ -102,6 +102,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Top-N logprobs to return for each generated token (0: only the sampled token's)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last N tokens (vLLM's; -1: as many as max_model_len leaves room
+    for, i.e. max_model_len - 1)."""
     prompt_logprobs: int | None = None
     """Top-N logprobs to return for each prompt token (0: only the prompt token's own); such a
     request computes its whole prompt (no prefix-cache hits: cached tokens have no logits)."""
@@ -159,6 +162,11 @@ class SamplingParams:
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.truncate_prompt_tokens is not None:
+            value = _int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=-1)
+            if value == 0:
+                raise ValueError("truncate_prompt_tokens must be >= 1 or -1, got 0")
+            self.truncate_prompt_tokens = value
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int(
                 "prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS
@@ -282,3 +290,12 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
             )
         checked[token] = value
     return checked or None
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The last `keep` prompt tokens (truncate_prompt_tokens; -1: max_model_len - 1)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len - 1
+    return ids[-keep:] if len(ids) > keep else ids

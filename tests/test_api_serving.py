@@ -570,6 +570,30 @@ def test_response_format_reaches_the_engine_as_a_structured_output(tokenizer):
         _chat(response_format={"type": "yaml"})
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer):
+    serving, engine = _serving(tokenizer)
+    long_prompt = "word " * (MAX_MODEL_LEN + 10)
+    ids = tokenizer.encode(long_prompt, add_special_tokens=False)
+    asyncio.run(
+        serving.create_completion(_completion(prompt=long_prompt, truncate_prompt_tokens=-1))
+    )
+    asyncio.run(serving.create_chat_completion(_chat(max_tokens=2, truncate_prompt_tokens=3)))
+    response = asyncio.run(
+        serving.create_completion(
+            _completion(prompt=ids, truncate_prompt_tokens=5, echo=True, max_tokens=0)
+        )
+    )
+    first, chat, echoed = (call["prompt"] for call in engine.calls)
+    assert first == ids[-(MAX_MODEL_LEN - 1) :]
+    assert len(chat) == 3 and tokenizer.decode(chat).endswith("assistant\n")
+    assert echoed == ids[-5:] and response.choices[0].text == tokenizer.decode(ids[-5:])
+    with pytest.raises(APIError, match="max_model_len"):
+        asyncio.run(serving.create_completion(_completion(prompt=long_prompt)))
+    for bad in (0, -2):
+        with pytest.raises((APIError, ValidationError), match="truncate_prompt_tokens"):
+            asyncio.run(serving.create_completion(_completion(truncate_prompt_tokens=bad)))
+
+
 def test_a_chat_can_continue_the_final_message(tokenizer):
     serving, engine = _serving(tokenizer)
     messages = [

@@ -162,8 +162,19 @@ def test_bad_input_is_a_clear_error():
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM(max_num_seq=4)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
     # The engine still serves after rejecting bad requests.
     assert llm.generate(["Hello"], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+
+    # A prompt over max_model_len fits once truncated to its last tokens.
+    ids = llm.get_tokenizer().encode("word " * 100, add_special_tokens=False)
+    for keep, kept in ((10, 10), (-1, 63)):
+        params = SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=keep)
+        (out,) = llm.generate([ids], params)
+        assert out.prompt_token_ids == ids[-kept:]
+        (direct,) = llm.generate([ids[-kept:]], SamplingParams(temperature=0.0, max_tokens=1))
+        assert out.outputs[0].token_ids == direct.outputs[0].token_ids
 
 
 def test_missing_weights_file_is_named(tmp_path):

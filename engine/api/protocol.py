@@ -177,6 +177,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int | None = None
     """Scheduling priority (lower runs first); never more urgent than the tenant's own."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """vLLM's: keep only the prompt's last N tokens (-1: as many as max_model_len allows)."""
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     """vLLM's: the output follows a JSON schema, a regex, a choice or a grammar."""

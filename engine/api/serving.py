@@ -38,7 +38,7 @@ from engine.api.render import CompletionFormat, chat_response, completion_respon
 from engine.api.stream import DONE, ChatDeltaTracker, CompletionDeltaTracker, sse_error
 from engine.async_engine import EngineDeadError
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, StructuredOutputError
+from engine.sampling_params import SamplingParams, StructuredOutputError, truncate_prompt
 from engine.tokenizer import apply_chat_template
 
 # Prompt text of at least this many characters is tokenized on a worker thread while other
@@ -93,13 +93,13 @@ class OpenAIServing:
         self._check_model(request.model)
         if request.best_of not in (None, request.n):
             raise APIError(f"best_of must equal n ({request.n})", param="best_of")
-        prompts = [
-            check_prompt(ids, self.max_model_len, "prompt")
-            for ids in await self._encode_prompts(request)
-        ]
+        encoded = await self._encode_prompts(request)
+        prompts = [self._checked_prompt(ids, request, "prompt") for ids in encoded]
+        # A truncated prompt echoes as the tokens the model saw.
+        truncated = any(len(a) != len(b) for a, b in zip(encoded, prompts, strict=True))
         fmt = CompletionFormat(
             logprobs=request.logprobs,
-            echo=self._echo_texts(request.prompt, prompts) if request.echo else None,
+            echo=self._echo_texts(request.prompt, prompts, truncated) if request.echo else None,
             echo_only=echo_only(request),
             prompt_logprobs=request.prompt_logprobs,
         )
@@ -124,7 +124,7 @@ class OpenAIServing:
         self._check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        ids = check_prompt(await self._apply_chat_template(request), self.max_model_len, "messages")
+        ids = self._checked_prompt(await self._apply_chat_template(request), request, "messages")
         if request.max_completion_tokens is not None:
             max_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
         else:
@@ -193,13 +193,28 @@ class OpenAIServing:
             return [list(prompt)]
         return [list(p) for p in prompt]
 
+    def _checked_prompt(
+        self, ids: list[int], request: CompletionRequest | ChatCompletionRequest, param: str
+    ) -> list[int]:
+        """The prompt as the engine gets it (truncate_prompt_tokens applied), if it fits."""
+        if request.truncate_prompt_tokens == 0:
+            raise APIError(
+                "truncate_prompt_tokens must be >= 1 or -1, got 0", param="truncate_prompt_tokens"
+            )
+        ids = truncate_prompt(ids, request.truncate_prompt_tokens, self.max_model_len)
+        return check_prompt(ids, self.max_model_len, param)
+
     def _echo_texts(
-        self, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        ids: list[list[int]],
+        decode: bool = False,
     ) -> list[str]:
-        """Each prompt's text as echo returns it: as given, token ids decoded."""
-        if isinstance(prompt, str):
+        """Each prompt's text as echo returns it: as given, token ids decoded (all decoded
+        with `decode`)."""
+        if isinstance(prompt, str) and not decode:
             return [prompt]
-        if isinstance(prompt[0], str):
+        if isinstance(prompt[0], str) and not decode:
             return list(prompt)
         if self.tokenizer is None:
             raise APIError(
