@@ -223,6 +223,29 @@ def test_stream_without_include_usage_has_no_usage_field(tokenizer):
     assert "".join(c["choices"][0]["text"] for c in events[:-1]) != ""
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tokenizer):
+    serving, _ = _serving(tokenizer)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = _stream(
+        serving.create_completion, _completion(max_tokens=4, stream=True, stream_options=options)
+    )
+    chunks = events[:-1]
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    assert prompt_tokens > 0 and chunks[-1]["usage"]["completion_tokens"] == 4
+    counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 4
+    for c in chunks:
+        usage = c["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+    # Without include_usage it changes nothing.
+    events = _stream(
+        serving.create_completion,
+        _completion(max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True}),
+    )
+    assert all("usage" not in c for c in events[:-1])
+
+
 def test_completion_logprobs_shape_and_offsets(tokenizer):
     serving, _ = _serving(tokenizer)
 

@@ -123,6 +123,8 @@ def _format_loc(loc: tuple) -> str:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries the usage so far."""
 
 
 class JSONSchemaFormat(_Request):

@@ -317,7 +317,10 @@ class OpenAIServing:
         prompt_lens: list[int],
         fmt: CompletionFormat | None,
     ) -> SSEStream:
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        options = request.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options.continuous_usage_stats
+        echo_only = fmt is not None and fmt.echo_only
         common = dict(
             response_id=response_id,
             created=int(time.time()),
@@ -340,6 +343,8 @@ class OpenAIServing:
                     while item is not None:
                         i, output = item
                         latest[i] = output
+                        if continuous:
+                            tracker.usage = usage_of(prompt_lens, list(latest.values()), echo_only)
                         text = tracker.chunks(output, prompt_index=i)
                         if text:
                             yield text
@@ -348,7 +353,6 @@ class OpenAIServing:
                     yield sse_error(e.to_response().model_dump())
                     yield DONE
                     return
-            echo_only = fmt is not None and fmt.echo_only
             result.usage = usage_of(prompt_lens, list(latest.values()), echo_only)
             if include_usage:
                 yield tracker.usage_chunk(result.usage)

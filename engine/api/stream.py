@@ -69,6 +69,8 @@ class DeltaTracker:
         self.include_usage = include_usage
         self.token_text = token_text
         self._sent: dict[int, _Sent] = {}
+        self.usage: UsageInfo | None = None
+        """Set by the caller: the usage so far, sent on every chunk (continuous_usage_stats)."""
 
     def chunks(self, output: RequestOutput, prompt_index: int = 0) -> str:
         """SSE events for what `output` adds to what was already sent ("" for nothing)."""
@@ -100,7 +102,11 @@ class DeltaTracker:
 
     def _event(self, choice: ChatChunkChoice | CompletionChoice) -> str:
         chunk = self.chunk_cls(
-            id=self.response_id, created=self.created, model=self.model, choices=[choice]
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=self.usage,
         )
         # OpenAI sends "usage": null on every chunk only when the client asked for usage.
         exclude = None if self.include_usage else {"usage"}
