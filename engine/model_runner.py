@@ -449,6 +449,7 @@ class ModelRunner:
         found = []
         if not self._wants_prompt_logprobs:
             return found
+        slice_rows = max(16, PROMPT_LOGPROB_BYTES // (4 * self.hf_config.vocab_size))
         offset = 0
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
@@ -457,8 +458,8 @@ class ModelRunner:
             # The last prompt row samples the first output token: not a prompt logprob.
             end = min(start + n, state.num_prompt_tokens - 1)
             if num is not None and end > start:
-                for first in range(start, end, PROMPT_LOGPROB_ROWS):
-                    last = min(end, first + PROMPT_LOGPROB_ROWS)
+                for first in range(start, end, slice_rows):
+                    last = min(end, first + slice_rows)
                     rows = self._h2d(np.arange(offset + first - start, offset + last - start))
                     targets = state.token_ids[first + 1 : last + 1]
                     logits = self.model.compute_logits(hidden[rows])
@@ -495,9 +496,10 @@ class ModelRunner:
         counts.index_put_((row_index, tokens), ones, accumulate=True)
 
 
-# Prompt rows whose logits are computed at once for prompt logprobs: 512 rows of a
-# 128k-token vocabulary are 256 MB of float32 logits.
-PROMPT_LOGPROB_ROWS = 512
+# Float32 logits computed at once for prompt logprobs (their log-softmax takes as much
+# again): 128 rows of a 128k-token vocabulary. The step's forward has freed its activations
+# by then, and the KV cache was sized for a forward's peak, far above this.
+PROMPT_LOGPROB_BYTES = 64 << 20
 
 
 class PendingRunnerOutput:

@@ -12,7 +12,7 @@ from tests.test_llm_e2e import LONG_TEXT
 PROMPTS = [
     "The capital of France is Paris, and the capital of Italy is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    # Over 512 positions: its logits are computed in two slices.
+    # Over 700 positions: its logits are computed in slices (341 rows for this vocabulary).
     LONG_TEXT + "\nSummarize the records above in one sentence:",
 ]
 TOP = 3
