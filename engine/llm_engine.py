@@ -198,9 +198,10 @@ class LLMEngine:
         max_len = self.config.scheduler_config.max_model_len
         prompt_ids = truncate_prompt(prompt_ids, sampling_params.truncate_prompt_tokens, max_len)
         self._check_prompt(prompt_ids)
-        bad = [t for t in sampling_params.logit_bias or () if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {self.vocab_size})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(sampling_params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})")
         if sampling_params.structured_output is None:
             grammar = None
         elif grammar is None:

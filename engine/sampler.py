@@ -104,7 +104,8 @@ def build_sampling_batch(
 ) -> SamplingBatch:
     """`num_output_tokens`: tokens each row generated before this one (min_tokens), when
     `output_token_ids` lacks some (in flight) or is left empty (no penalties to apply).
-    `token_bitmasks`: per row, the tokens it may sample (SchedulerOutput.grammar_bitmask)."""
+    `token_bitmasks`: per row, the tokens its grammar lets it sample
+    (SchedulerOutput.grammar_bitmask); a row's allowed_token_ids narrow that further."""
     device = torch.device(device)
     num_rows = len(params)
     if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
@@ -181,7 +182,14 @@ def build_sampling_batch(
             _from_numpy(np.concatenate([ids for _, (ids, _) in biased]), device),
             _from_numpy(np.concatenate([values for _, (_, values) in biased]), device),
         )
-    masked = [(i, m) for i, m in enumerate(token_bitmasks or ()) if m is not None]
+    masks = list(token_bitmasks) if token_bitmasks else []
+    allowed = [(i, p) for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if allowed:  # allowed_token_ids: a fixed mask, and-ed with the row's grammar mask if any
+        masks = masks or [None] * num_rows
+        for i, p in allowed:
+            mask = p.allowed_bitmask(vocab_size)
+            masks[i] = mask if masks[i] is None else masks[i] & mask
+    masked = [(i, m) for i, m in enumerate(masks) if m is not None]
     if masked:
         batch.allowed_tokens = (
             _tensor([i for i, _ in masked], torch.int64, device),

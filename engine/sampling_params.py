@@ -113,6 +113,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """Token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's
     logit_bias); logprobs still report the model's own distribution."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: sample only these tokens (logprobs still report the model's own distribution)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_output: StructuredOutput | None = None
     """Every sampled token keeps the output a prefix of valid JSON (engine/structured_output.py);
@@ -122,6 +124,7 @@ class SamplingParams:
     )
     """logit_bias as (int64 token ids, float32 values), built once: a bias over much of the
     vocabulary is read every step the request runs."""
+    _allowed_bitmask: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -175,6 +178,10 @@ class SamplingParams:
         self.include_stop_str_in_output = _bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.logit_bias is not None:
             self.logit_bias_arrays = (
@@ -196,6 +203,19 @@ class SamplingParams:
             raise ValueError(
                 f"output_kind must be one of {kinds}, got {self.output_kind!r}"
             ) from None
+
+    def allowed_bitmask(self, vocab_size: int) -> np.ndarray | None:
+        """allowed_token_ids as int32 words, bit i of word w for token 32w + i (built once)."""
+        if self.allowed_token_ids is None:
+            return None
+        words = (vocab_size + 31) // 32
+        mask = self._allowed_bitmask
+        if mask is None or len(mask) != words:
+            bits = np.zeros(words, dtype=np.uint32)
+            ids = np.asarray(self.allowed_token_ids, dtype=np.int64)
+            np.bitwise_or.at(bits, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+            mask = self._allowed_bitmask = bits.view(np.int32)
+        return mask
 
     @property
     def is_greedy(self) -> bool:

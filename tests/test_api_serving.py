@@ -617,6 +617,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer):
             asyncio.run(serving.create_completion(_completion(truncate_prompt_tokens=bad)))
 
 
+def test_allowed_token_ids_reach_the_engine(tokenizer):
+    serving, engine = _serving(tokenizer)
+    asyncio.run(serving.create_completion(_completion(allowed_token_ids=[5, 6])))
+    assert engine.calls[0]["params"].allowed_token_ids == [5, 6]
+    for bad in ([], [-1], ["5"]):
+        with pytest.raises((APIError, ValidationError), match="allowed_token_ids"):
+            asyncio.run(serving.create_completion(_completion(allowed_token_ids=bad)))
+
+
 def test_a_chat_can_continue_the_final_message(tokenizer):
     serving, engine = _serving(tokenizer)
     messages = [

@@ -380,4 +380,11 @@ def test_logit_bias_steers_generation_and_refuses_ids_outside_the_vocabulary():
     vocab = llm.engine.vocab_size
     with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is out of range"):
         llm.generate(PROMPTS[:1], SamplingParams(logit_bias={vocab: 1.0}))
+    with pytest.raises(ValueError, match=f"allowed_token_ids token id {vocab} is out of range"):
+        llm.generate(PROMPTS[:1], SamplingParams(allowed_token_ids=[5, vocab]))
     assert not llm.engine.has_unfinished_requests()
+    # allowed_token_ids: sampled at random, only those tokens come out.
+    allowed = [1234, 2000, 4321, 7]
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, allowed_token_ids=allowed)
+    for out in llm.generate(PROMPTS[:2], params):
+        assert set(out.outputs[0].token_ids) <= set(allowed)

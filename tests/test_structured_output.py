@@ -70,6 +70,28 @@ def _check_masked_sampling(device: str) -> None:
     assert tokens[3] == sample(logits[3:], reference).token_ids[0]
 
 
+def test_allowed_token_ids_narrow_sampling_alone_and_beside_a_grammar_mask():
+    vocab, gen = 100, torch.Generator().manual_seed(0)
+    allowed = [3, 31, 32, 63, 99]  # both ends of 32-bit words
+    params = SamplingParams(temperature=1.0, allowed_token_ids=allowed)
+    assert np.array_equal(params.allowed_bitmask(vocab), _bitmask(allowed, vocab))
+    logits = torch.randn(2, vocab, generator=gen)
+    seen = set()
+    for step in range(30):
+        generators = [torch.Generator().manual_seed(step), torch.Generator().manual_seed(-step)]
+        grammar = [None, _bitmask([31, 32, 50], vocab)]
+        batch = build_sampling_batch(
+            [params, params], [[]] * 2, [[]] * 2, generators, None, vocab, "cpu",
+            token_bitmasks=grammar,
+        )  # fmt: skip
+        alone, beside = sample(logits, batch).token_ids
+        assert alone in allowed and beside in (31, 32)  # the grammar's and the ids' overlap
+        seen.add(alone)
+    assert len(seen) > 1
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
 @pytest.fixture(scope="module")
 def llm():
     return LLM(max_model_len=512)

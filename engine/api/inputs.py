@@ -73,6 +73,7 @@ def to_sampling_params(
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
         "logit_bias": _logit_bias(request.logit_bias),
+        "allowed_token_ids": request.allowed_token_ids,
         "structured_output": _structured_output(request),
     }
     try:

@@ -179,6 +179,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int | None = None
     """Scheduling priority (lower runs first); never more urgent than the tenant's own."""
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    """vLLM's: sample only these tokens."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """vLLM's: keep only the prompt's last N tokens (-1: as many as max_model_len allows)."""
     response_format: ResponseFormat | None = None
