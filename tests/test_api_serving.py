@@ -496,6 +496,26 @@ def test_prompt_logprobs_in_vllm_shape(tokenizer):
     assert "prompt_logprobs" not in plain.model_dump(mode="json")["choices"][0]
 
 
+def test_a_chat_response_carries_prompt_logprobs_when_asked(tokenizer):
+    serving, engine = _serving(tokenizer)
+    full = asyncio.run(serving.create_chat_completion(_chat(max_tokens=2, prompt_logprobs=1)))
+    assert engine.calls[0]["params"].prompt_logprobs == 1
+    prompt_ids = engine.calls[0]["prompt"]
+    positions = full.model_dump(mode="json")["prompt_logprobs"]
+    assert len(positions) == len(prompt_ids) and positions[0] is None
+    expected = engine.prompt_logprobs(prompt_ids, 1)
+    for j in range(1, len(prompt_ids)):
+        assert positions[j][str(prompt_ids[j])]["logprob"] == expected[j].logprob
+    plain = asyncio.run(serving.create_chat_completion(_chat(max_tokens=2)))
+    assert "prompt_logprobs" not in plain.model_dump(mode="json")
+    assert engine.calls[1]["params"].prompt_logprobs is None
+    with pytest.raises(APIError, match="stream") as info:
+        asyncio.run(
+            serving.create_chat_completion(_chat(max_tokens=2, prompt_logprobs=1, stream=True))
+        )
+    assert info.value.param == "prompt_logprobs"
+
+
 def test_echo_logprobs_and_prompt_logprobs_each_show_their_own_top_n(tokenizer):
     serving, engine = _serving(tokenizer)
     request = _completion(prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, prompt_logprobs=3)

@@ -106,7 +106,7 @@ def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int 
     """Top-N per prompt token, for echo with logprobs and for vLLM's prompt_logprobs. Only
     then: they cost the prefix cache's hits (the whole prompt is computed)."""
     if not isinstance(request, CompletionRequest):
-        return None
+        return request.prompt_logprobs
     wanted = [request.prompt_logprobs, request.logprobs if request.echo else None]
     return max((n for n in wanted if n is not None), default=None)
 

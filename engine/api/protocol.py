@@ -221,6 +221,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     """vLLM's: the model continues the last message (with add_generation_prompt false)."""
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: the response carries the top-N logprobs of every prompt token (not streamed)."""
 
 
 class TokenizeRequest(_Request):
@@ -334,6 +336,15 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    """vLLM's, as on a completion's choice; left out of the JSON unless asked for."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unasked_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if self.prompt_logprobs is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class ChatChunkChoice(_Response):

@@ -130,7 +130,9 @@ def chat_response(
     usage: UsageInfo,
     token_text: TokenText,
     with_logprobs: bool,
+    prompt_logprobs: int | None = None,
 ) -> ChatCompletionResponse:
+    """`prompt_logprobs`: vLLM's top-N per prompt token, on the response."""
     choices = []
     for c in output.outputs:
         logprobs = None
@@ -144,4 +146,10 @@ def chat_response(
                 finish_reason=c.finish_reason,
             )
         )
-    return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
+    shown = None
+    if prompt_logprobs is not None:
+        ids, entries = output.prompt_token_ids, output.prompt_logprobs
+        shown = vllm_prompt_logprobs(ids, entries, token_text, prompt_logprobs)
+    return ChatCompletionResponse(
+        id=response_id, model=model, choices=choices, usage=usage, prompt_logprobs=shown
+    )

@@ -124,6 +124,11 @@ class OpenAIServing:
         self._check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if request.prompt_logprobs is not None and request.stream:
+            raise APIError(
+                "prompt_logprobs come with a whole response: not with stream=true",
+                param="prompt_logprobs",
+            )
         ids = self._checked_prompt(await self._apply_chat_template(request), request, "messages")
         if request.max_completion_tokens is not None:
             max_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
@@ -302,7 +307,13 @@ class OpenAIServing:
         if chat:
             usage = usage_of(prompt_lens, final)
             return chat_response(
-                response_id, self.model_name, final[0], usage, self.token_text, request.logprobs
+                response_id,
+                self.model_name,
+                final[0],
+                usage,
+                self.token_text,
+                request.logprobs,
+                request.prompt_logprobs,
             )
         usage = usage_of(prompt_lens, final, fmt.echo_only)
         return completion_response(response_id, self.model_name, final, usage, self.token_text, fmt)
