@@ -713,15 +713,15 @@ def test_structured_outputs_beside_a_json_response_format_is_refused(tokenizer):
 def test_an_engine_refusal_of_a_regex_names_structured_outputs(tokenizer):
     serving, engine = _serving(tokenizer)
     engine.fail = StructuredOutputError("structured_output: a regular expression ...")
-    with pytest.raises(APIError) as info:
+    with pytest.raises(APIError, match="^structured_outputs: a regular expression") as info:
         asyncio.run(serving.create_completion(_completion(structured_outputs={"regex": "("})))
     assert info.value.status_code == 400 and info.value.param == "structured_outputs"
 
 
 def test_an_engine_refusal_of_a_schema_names_response_format(tokenizer):
     serving, engine = _serving(tokenizer)
-    engine.fail = StructuredOutputError("structured_output (response_format): a JSON schema ...")
-    with pytest.raises(APIError) as info:
+    engine.fail = StructuredOutputError("structured_output: a JSON schema ...")
+    with pytest.raises(APIError, match="^response_format: a JSON schema") as info:
         asyncio.run(serving.create_chat_completion(_chat(response_format={"type": "json_object"})))
     assert info.value.status_code == 400 and info.value.param == "response_format"
 

@@ -400,7 +400,9 @@ async def _next(
     except EngineDeadError as e:
         raise APIError(f"the engine is not running: {e}", 503, code="engine_dead") from None
     except StructuredOutputError as e:
-        raise APIError(str(e), param=structured) from None
+        # The engine names its own field (structured_output); the client sent `structured`.
+        reason = str(e).removeprefix("structured_output: ")
+        raise APIError(f"{structured}: {reason}", param=structured) from None
     except ValueError as e:
         raise APIError(str(e)) from None
 
