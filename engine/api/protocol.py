@@ -277,14 +277,9 @@ class PromptLogprob(_Response):
     decoded_token: str
 
 
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
-    """vLLM's: per prompt token (None for the first), token id -> its logprob, for the prompt
-    token and the top-N. Left out of the JSON unless asked for."""
+class _WithPromptLogprobs(_Response):
+    """A body with vLLM's prompt_logprobs (a field of the subclass, so that it stays last in
+    the JSON), left out of the JSON unless asked for."""
 
     @model_serializer(mode="wrap")
     def _omit_unasked_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -292,6 +287,16 @@ class CompletionChoice(_Response):
         if self.prompt_logprobs is None:
             data.pop("prompt_logprobs", None)
         return data
+
+
+class CompletionChoice(_WithPromptLogprobs):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    """vLLM's: per prompt token (None for the first), token id -> its logprob, for the prompt
+    token and the top-N."""
 
 
 class CompletionResponse(_Response):
@@ -329,7 +334,7 @@ class ChatChoice(_Response):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_WithPromptLogprobs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -337,14 +342,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
-    """vLLM's, as on a completion's choice; left out of the JSON unless asked for."""
-
-    @model_serializer(mode="wrap")
-    def _omit_unasked_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if self.prompt_logprobs is None:
-            data.pop("prompt_logprobs", None)
-        return data
+    """vLLM's, as on a completion's choice."""
 
 
 class ChatChunkChoice(_Response):

@@ -20,7 +20,7 @@ from engine.api.protocol import (
     UsageInfo,
 )
 from engine.api.render import CompletionFormat, prompt_part, shown
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 DONE = "data: [DONE]\n\n"
 
@@ -100,6 +100,21 @@ class DeltaTracker:
     ) -> list[str]:
         raise NotImplementedError
 
+    def _advance(
+        self, completion: CompletionOutput, sent: _Sent, with_logprobs: bool
+    ) -> tuple[str, list[TokenLogprobs] | None] | None:
+        """The text (and, `with_logprobs`, the logprob entries) `completion` adds to what
+        was sent, now counted as sent; None when it adds no text and has not finished."""
+        text = completion.text[sent.text :]
+        if not text and completion.finish_reason is None:
+            return None
+        sent.text += len(text)
+        new = None
+        if with_logprobs and completion.logprobs is not None:
+            new = completion.logprobs[sent.logprobs :]
+            sent.logprobs += len(new)
+        return text, new
+
     def _event(self, choice: ChatChunkChoice | CompletionChoice) -> str:
         chunk = self.chunk_cls(
             id=self.response_id,
@@ -132,16 +147,12 @@ class ChatDeltaTracker(DeltaTracker):
         if not sent.started:
             sent.started = True
             events.append(self._chat_event(index, {"role": "assistant", "content": ""}))
-        text = completion.text[sent.text :]
-        finish = completion.finish_reason
-        if not text and finish is None:
+        advanced = self._advance(completion, sent, self.with_logprobs)
+        if advanced is None:
             return events
-        sent.text += len(text)
-        logprobs = None
-        if self.with_logprobs and completion.logprobs is not None:
-            new = completion.logprobs[sent.logprobs :]
-            sent.logprobs += len(new)
-            logprobs = chat_logprobs(new, self.token_text)
+        text, new = advanced
+        finish = completion.finish_reason
+        logprobs = None if new is None else chat_logprobs(new, self.token_text)
         if text or logprobs is not None:
             events.append(self._chat_event(index, {"content": text}, logprobs=logprobs))
         if finish is not None:
@@ -205,15 +216,13 @@ class CompletionDeltaTracker(DeltaTracker):
                 )
                 sent.offset = len(prompt.text)
         completion = shown(self.fmt, completion)
-        text = completion.text[sent.text :]
-        finish = completion.finish_reason
-        if not text and finish is None:
+        advanced = self._advance(completion, sent, self.fmt.logprobs is not None)
+        if advanced is None:
             return events
-        sent.text += len(text)
+        text, new = advanced
+        finish = completion.finish_reason
         logprobs = None
-        if self.fmt.logprobs is not None and completion.logprobs is not None:
-            new = completion.logprobs[sent.logprobs :]
-            sent.logprobs += len(new)
+        if new is not None:
             logprobs = completion_logprobs(new, self.token_text, sent.offset)
             sent.offset += sum(len(token) for token in logprobs.tokens)
         choice = CompletionChoice(
