@@ -14,26 +14,29 @@ then continues with SSE text and ends with its `UsageInfo` (for per-tenant token
 accounting, never sent to the client).
 """
 
-# No `from __future__ import annotations` here: FastAPI reads the route signatures of the
-# class Serve rebuilds, and string annotations do not resolve there.
+# No `from __future__ import annotations` here: FastAPI reads the signatures of the route
+# methods (`__serve_build_asgi_app__`), and string annotations do not resolve there.
 import asyncio
 import contextvars
 import inspect
-import logging
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.app_config import AppConfig
+from cluster.http_app import (
+    ClosingStreamingResponse,
+    HotRoutes,
+    build_fastapi_app,
+    error_response,
+)
 from cluster.metrics import RayMetricsSink, ReplicaReadiness, TenantMetrics
 from cluster.tenants import TenantLimiter, TenantResolver
 from cluster.topology import SERVE_FAST_PATH_ENV
@@ -48,8 +51,6 @@ from engine.api.protocol import (
 )
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.gc_pauses import tune_for_serving
-
-logger = logging.getLogger("ray.serve")
 
 _REQUEST_TYPES = {
     "completion": CompletionRequest,
@@ -258,40 +259,6 @@ class TenantLimiterDeployment(TenantLimiter):
     pass
 
 
-app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
-
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(
-        e.to_response().model_dump(mode="json"), status_code=e.status_code, headers=e.headers()
-    )
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    code = "not_found" if exc.status_code == 404 else None
-    return error_response(
-        APIError(f"{message}: {request.method} {request.url.path}", exc.status_code, code=code)
-    )
-
-
-@app.exception_handler(RequestValidationError)
-async def _route_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(APIError(f"invalid request: {exc.errors()}"))
-
-
-@app.exception_handler(Exception)
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, TaskCancelledError):
-        # The client disconnected: nobody reads this response.
-        return error_response(APIError("the client disconnected", 499))
-    logger.exception("unhandled error in %s %s", request.method, request.url.path)
-    return error_response(APIError(f"internal error: {type(exc).__name__}", 500))
-
-
-# `serve.ingress` pickles the class when it decorates it: every global the class uses must
-# be defined above it.
 def _cancel(replies: Any) -> None:
     """Best-effort cancel of a server call (frees the engine's request if still running)."""
     try:
@@ -300,26 +267,8 @@ def _cancel(replies: Any) -> None:
         pass
 
 
-class _ClosingStreamingResponse(StreamingResponse):
-    """Streams in the request's own task and closes its body generator however it ends.
-
-    Serve watches every request for its client's disconnect and cancels the request's
-    task when it comes (through its proxy and with direct ingress alike), so Starlette's
-    second watcher (a task group, with the stream in a task of its own, each request)
-    only delays the first chunk. When the client goes away while the generator waits at
-    a `yield`, its `finally` (abort downstream, release the tenant's slot) must not wait
-    for the garbage collector: close it here.
-    """
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await self.stream_response(send)
-        finally:
-            await self.body_iterator.aclose()
-
-
 @serve.deployment(name="OpenAIIngress")
-@serve.ingress(app)
+@serve.ingress()
 class OpenAIIngress:
     async def __init__(
         self,
@@ -345,6 +294,21 @@ class OpenAIIngress:
         self._models: dict | None = None
         self.tenant_metrics = TenantMetrics(RayMetricsSink())
 
+    def __serve_build_asgi_app__(self) -> HotRoutes:
+        """The replica's HTTP app (Serve calls this once __init__ has returned)."""
+        fastapi_app = build_fastapi_app(
+            {
+                ("GET", "/health"): self.health,
+                ("GET", "/v1/models"): self.models,
+                ("POST", "/v1/completions"): self.completions,
+                ("POST", "/v1/chat/completions"): self.chat_completions,
+                ("POST", "/tokenize"): self.tokenize,
+                ("POST", "/detokenize"): self.detokenize,
+            }
+        )
+        hot = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
+        return HotRoutes(hot, fastapi_app)
+
     async def stats(self) -> dict:
         """The engine's counters (tests and tools; not an HTTP route)."""
         return await self.server.stats.remote()
@@ -357,7 +321,6 @@ class OpenAIIngress:
         if getattr(self, "host", None) is not None:
             self.host.shutdown()
 
-    @app.get("/health")
     async def health(self) -> Response:
         try:
             healthy = await asyncio.wait_for(self.server.is_healthy.remote(), timeout=10)
@@ -365,7 +328,6 @@ class OpenAIIngress:
             healthy = False
         return Response(status_code=200 if healthy else 503)
 
-    @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         try:
             self.resolver.resolve(request.headers)
@@ -375,19 +337,15 @@ class OpenAIIngress:
             self._models = await self.server.models.remote()
         return JSONResponse(self._models)
 
-    @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
-    @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
         return await self._tokenizer_call(request, "tokenize")
 
-    @app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
         return await self._tokenizer_call(request, "detokenize")
 
@@ -513,7 +471,7 @@ class OpenAIIngress:
                 tenant, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
             )
             return JSONResponse(first)
-        return _ClosingStreamingResponse(
+        return ClosingStreamingResponse(
             self._stream(first, replies, lease, tenant), media_type="text/event-stream"
         )
 

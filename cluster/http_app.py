@@ -1,0 +1,115 @@
+"""The ingress's HTTP application: a FastAPI app of every route, and in front of it a bare
+ASGI dispatcher that sends the two generation routes straight to their handler.
+
+Measured on the 2-core box (a Serve replica behind its own HTTP server, a 6 KB POST whose
+response streams, medians of 500 interleaved requests): the handler reached through
+FastAPI answered 0.75 ms later than the same handler called from a bare ASGI app (2.34
+against 1.60 ms; 0.3 ms later behind HAProxy). FastAPI's routing, its middleware stack
+and its per-request dependency machinery are that difference; the generation routes need
+none of them (they take the raw request and return a finished response), so they skip
+them. Every other route, and every other method on those paths, goes through FastAPI.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the route signatures, and
+# string annotations of these closures' types would not resolve.
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray.exceptions import TaskCancelledError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.api.protocol import APIError
+
+logger = logging.getLogger("ray.serve")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(
+        e.to_response().model_dump(mode="json"), status_code=e.status_code, headers=e.headers()
+    )
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    code = "not_found" if exc.status_code == 404 else None
+    return error_response(
+        APIError(f"{message}: {request.method} {request.url.path}", exc.status_code, code=code)
+    )
+
+
+async def _route_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(APIError(f"invalid request: {exc.errors()}"))
+
+
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, TaskCancelledError):
+        # The client disconnected: nobody reads this response.
+        return error_response(APIError("the client disconnected", 499))
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(APIError(f"internal error: {type(exc).__name__}", 500))
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Streams in the request's own task and closes its body generator however it ends.
+
+    Serve watches every request for its client's disconnect and cancels the request's
+    task when it comes (through its proxy and with direct ingress alike), so Starlette's
+    second watcher (a task group, with the stream in a task of its own, each request)
+    only delays the first chunk. When the client goes away while the generator waits at
+    a `yield`, its `finally` (abort downstream, release the tenant's slot) must not wait
+    for the garbage collector: close it here.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def build_fastapi_app(routes: dict[tuple[str, str], Callable[..., Any]]) -> FastAPI:
+    """A FastAPI app of `routes` ((method, path) -> endpoint) with OpenAI-shaped errors."""
+    app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _route_error)
+    app.add_exception_handler(Exception, internal_error)
+    for (method, path), endpoint in routes.items():
+        app.add_api_route(path, endpoint, methods=[method])
+    return app
+
+
+class HotRoutes:
+    """An ASGI app: POSTs to `handlers`' paths go to their handler as a Starlette request,
+    everything else (other routes, other methods, lifespan) to `fallback`."""
+
+    def __init__(self, handlers: dict[str, Handler], fallback: FastAPI):
+        self.handlers = handlers
+        self.fallback = fallback
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        handler = self._handler(scope)
+        if handler is None:
+            await self.fallback(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await handler(request)
+        except Exception as e:
+            response = await internal_error(request, e)
+        await response(scope, receive, send)
+
+    def _handler(self, scope: Any) -> Handler | None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return None
+        path = scope["path"]
+        # Under a route prefix, Serve's server keeps it in `path` and names it `root_path`.
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        return self.handlers.get(path)
