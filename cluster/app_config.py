@@ -95,6 +95,14 @@ class ServeOptions(BaseModel):
     """Larger request bodies get 413 before they are read."""
     engine_process: bool | None = None
     """Run the engine in a process of its own beside the replica's; default: on one GPU."""
+    enable_auto_tool_choice: bool = False
+    """vLLM's: chats with tools and tool_choice "auto" (the default with tools) get their
+    calls read out of the model's output, in tool_call_parser's format; without it such a
+    chat is a 400 (a named tool_choice and "required" work either way)."""
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    """vLLM's: the model's format of tool calls: hermes (Hermes, Qwen2.5, Qwen3:
+    <tool_call>{...}</tool_call>), llama3_json (Llama 3.1/3.2's JSON calls), mistral
+    ([TOOL_CALLS] and a JSON list)."""
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeOptions:
@@ -110,6 +118,8 @@ class ServeOptions(BaseModel):
                 f"initial_replicas ({initial}) must be in [min_replicas, max_replicas] "
                 f"= [{self.min_replicas}, {self.max_replicas}]"
             )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         return self
 
     @field_validator("api_keys", "tenants", mode="before")

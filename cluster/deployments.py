@@ -85,7 +85,11 @@ class EngineHost:
         # A replica runs its code on its main loop, which should keep answering Serve
         # (health checks, metrics) while the model loads: build the engine on a thread.
         self.engine = await asyncio.to_thread(make_engine, config)
-        self.serving = OpenAIServing(self.engine)
+        self.serving = OpenAIServing(
+            self.engine,
+            enable_auto_tool_choice=config.enable_auto_tool_choice,
+            tool_call_parser=config.tool_call_parser,
+        )
         sink = RayMetricsSink()
         self.engine.enable_metrics(sink)
         self.readiness = ReplicaReadiness(sink, self.engine.model_name)

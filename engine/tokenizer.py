@@ -6,6 +6,7 @@ UTF-8 character and never show the beginning of a stop string that may still com
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -52,17 +53,29 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+class ChatInputError(ValueError):
+    """A message a chat template cannot take, naming its field (`messages[1].content`)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered with the tokenizer's chat template.
 
     `continue_final_message`: the last message is left open (no end-of-turn after it), so
     the model continues it, e.g. an assistant reply begun by the caller; it takes
-    add_generation_prompt=False (a new turn would follow the message otherwise)."""
+    add_generation_prompt=False (a new turn would follow the message otherwise).
+    `tools`: OpenAI's tool definitions, for templates that render them. An assistant
+    message's `tool_calls` may give their arguments as JSON text (OpenAI's shape): the
+    template gets them decoded, as most templates want."""
     if not messages:
         raise ValueError("messages must contain at least one message")
     if continue_final_message and add_generation_prompt:
@@ -82,13 +95,37 @@ def apply_chat_template(
             )
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template; send a plain prompt instead")
+    messages = [_with_decoded_arguments(m, f"messages[{i}]") for i, m in enumerate(messages)]
     text = tokenizer.apply_chat_template(
         messages,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
+        **({} if tools is None else {"tools": tools}),
     )
     return encode_text(tokenizer, text)
+
+
+def _with_decoded_arguments(message: dict, where: str) -> dict:
+    calls = message.get("tool_calls")
+    if calls is None:
+        return message
+    decoded = []
+    for j, call in enumerate(calls):
+        field = f"{where}.tool_calls[{j}].function.arguments"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise ChatInputError(f"{where}.tool_calls[{j}].function", "must be an object")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as e:
+                raise ChatInputError(field, f"must be a JSON object: {e}") from None
+        if not isinstance(arguments, dict):
+            raise ChatInputError(field, f"must be a JSON object, got {arguments!r}")
+        decoded.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "tool_calls": decoded}
 
 
 class IncrementalDetokenizer:

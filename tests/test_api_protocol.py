@@ -25,6 +25,7 @@ def _error(cls, body) -> APIError:
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+FUNCTION = {"name": "get_weather", "parameters": {"type": "object"}}
 
 
 @pytest.mark.parametrize(
@@ -47,8 +48,23 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             "stream_options.include_usage",
             "boolean",
         ),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function", "required"),
+        ({**CHAT, "tools": [{"type": "retrieval", "function": FUNCTION}]}, "tools[0].type", "function"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": ""}}]},
+         "tools[0].function.name", "at least 1"),
+        ({**CHAT, "tools": [{"type": "function", "function": {**FUNCTION, "parameter": {}}}]},
+         "tools[0].function.parameter", "not a supported field"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+         "tools[0].function.parameters", "object"),
+        ({**CHAT, "tool_choice": "always"}, "tool_choice", "'auto'"),
+        ({**CHAT, "tool_choice": {"type": "function", "function": {}}},
+         "tool_choice.function.name", "required"),
+        ({**CHAT, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+        ({**CHAT, "messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
+         "messages[0].tool_calls[0].function.arguments", "string"),
     ],
-)
+)  # fmt: skip
 def test_chat_body_errors_name_the_field(body, param, words):
     err = _error(ChatCompletionRequest, body)
     assert err.status_code == 400
@@ -90,6 +106,34 @@ def test_valid_bodies_parse_with_openai_defaults():
     assert chat.n == 1 and not chat.stream and chat.max_tokens is None
     completion = CompletionRequest.model_validate_json('{"model": "m", "prompt": [1, 2, 3]}')
     assert completion.prompt == [1, 2, 3] and completion.max_tokens == 16
+
+
+def test_a_conversation_with_tools_parses():
+    body = {
+        **CHAT,
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        ],
+        "tools": [{"type": "function", "function": {**FUNCTION, "description": "d", "strict": True}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False,
+    }  # fmt: skip
+    chat = ChatCompletionRequest.model_validate_json(json.dumps(body))
+    assert chat.messages[1].content is None
+    assert chat.messages[1].tool_calls[0].function.arguments == '{"city": "Paris"}'
+    assert chat.messages[2].tool_call_id == "call_1"
+    assert chat.tool_choice.function.name == "get_weather" and not chat.parallel_tool_calls
+    plain = ChatCompletionRequest.model_validate_json(json.dumps(CHAT))
+    assert (plain.tools, plain.tool_choice, plain.parallel_tool_calls) == (None, None, True)
+    for choice in ("none", "auto", "required"):
+        assert (
+            ChatCompletionRequest.model_validate({**CHAT, "tool_choice": choice}).tool_choice
+            == choice
+        )
 
 
 def test_api_error_survives_pickling_with_its_status():

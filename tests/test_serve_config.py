@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
         ({"min_replicas": 2}, "max_replicas"),
         ({"min_replicas": 1, "max_replicas": 2, "initial_replicas": 3}, "initial_replicas"),
         ({"block_size": "big"}, "block_size"),
+        ({"tool_call_parser": "qwen9"}, "tool_call_parser"),
+        ({"enable_auto_tool_choice": True}, "tool_call_parser"),
         ({"dtype": "float64"}, "dtype"),
         ({"tenants": {"a": {"priorty": 1}}}, "priorty"),
         ({"api_keys": "{not json"}, "api_keys"),
@@ -99,6 +101,22 @@ def test_kvray_serve_flags_build_the_same_config():
         }
     )
     assert args.port == 9000
+
+
+def test_tool_call_keys_are_vllms_flags_and_name_the_servings_parsers():
+    from engine.api.tool_parsers import TOOL_CALL_PARSERS
+
+    config, _ = parse_serve_args(
+        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    )
+    assert (config.enable_auto_tool_choice, config.tool_call_parser) == (True, "llama3_json")
+    assert "enable_auto_tool_choice" not in config.engine_args()
+    plain = load_app_config({})
+    assert (plain.enable_auto_tool_choice, plain.tool_call_parser) == (False, None)
+    for name in TOOL_CALL_PARSERS:
+        assert load_app_config({"tool_call_parser": name}).tool_call_parser == name
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        load_app_config({"tool_call_parser": "granite"})
 
 
 def test_kvray_serve_rejects_a_bad_value_naming_it(capsys):

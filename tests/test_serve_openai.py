@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -45,6 +46,8 @@ ARGS = {
     "engine_process": True,
     "ingress_max_replicas": 1,
     "api_keys": KEYS,
+    "enable_auto_tool_choice": True,
+    "tool_call_parser": "hermes",
     "tenants": {
         "capped": {"max_concurrent_requests": 1},
         "metered": {"tokens_per_minute": 20},
@@ -175,6 +178,35 @@ def test_json_response_formats_through_the_openai_client(client):
                 "type": "json_schema",
                 "json_schema": {"name": "x", "schema": {"type": "objectx"}},
             },
+        )
+
+
+def test_tool_calls_through_the_openai_client(client):
+    city = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"],
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    asked = dict(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=48)
+    reply = client.chat.completions.create(tool_choice=named, **asked)
+    choice = reply.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), city)
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    chunks = list(client.chat.completions.create(tool_choice=named, stream=True, **asked))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id.startswith("chatcmpl-tool-") and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    # "auto" reaches the replica's hermes parser (without it, a 400).
+    auto = client.chat.completions.create(**asked)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(
+            tool_choice={"type": "function", "function": {"name": "nope"}}, **asked
         )
 
 

@@ -204,7 +204,7 @@ def test_a_final_message_can_be_continued(tokenizer):
     "messages, match",
     [
         ([], "messages"),
-        ([{"role": "tool", "content": "x"}], "tool"),
+        ([{"role": "function", "content": "x"}], "function"),
         ([{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}], "bot"),
         ([{"content": "x"}], "role"),
         ([{"role": "user", "content": None}], "content"),

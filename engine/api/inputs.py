@@ -11,10 +11,12 @@ import json
 from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ResponseFormat,
     TokenizeRequest,
 )
+from engine.api.tools import ToolUse
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 
@@ -39,9 +41,10 @@ def to_sampling_params(
     max_tokens: int | None,
     max_tokens_field: str,
     logprobs: int | None,
+    tools: ToolUse | None = None,
 ) -> SamplingParams:
     """`max_tokens=None` means "up to max_model_len"; OpenAI's unset fields keep the
-    engine's defaults."""
+    engine's defaults. `tools`: what a chat's tools ask of the output."""
     room = max_model_len - prompt_len
     if echo_only(request):
         max_tokens = 1  # the prompt's logprobs come with the first generated token
@@ -74,7 +77,7 @@ def to_sampling_params(
         "stop_token_ids": request.stop_token_ids,
         "logit_bias": _logit_bias(request.logit_bias),
         "allowed_token_ids": request.allowed_token_ids,
-        "structured_output": _structured_output(request),
+        "structured_output": _structured_output(request, tools),
     }
     try:
         return SamplingParams(
@@ -83,7 +86,8 @@ def to_sampling_params(
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=_prompt_logprobs(request),
-            skip_special_tokens=request.skip_special_tokens,
+            skip_special_tokens=request.skip_special_tokens
+            and not (tools is not None and tools.keeps_special_tokens),
             include_stop_str_in_output=request.include_stop_str_in_output,
             # A response sent whole needs only the final output: the engine sends no other.
             output_kind=RequestOutputKind.CUMULATIVE
@@ -112,10 +116,19 @@ def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int 
 
 
 def _structured_output(
-    request: CompletionRequest | ChatCompletionRequest,
+    request: CompletionRequest | ChatCompletionRequest, tools: ToolUse | None
 ) -> StructuredOutput | None:
     from_format = _from_response_format(request.response_format)
     wanted = request.structured_outputs
+    if tools is not None and tools.structured_output is not None:
+        for field, given in (("response_format", from_format), ("structured_outputs", wanted)):
+            if given is not None:
+                raise APIError(
+                    f"{field} cannot be combined with tool_choice {tools.choice!r}: the "
+                    "output is then the tool calls' JSON",
+                    param=field,
+                )
+        return tools.structured_output
     if wanted is None:
         return from_format
     if from_format is not None:
@@ -177,15 +190,32 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return by_id
 
 
-def chat_messages(request: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
-    """Messages as a chat template takes them ("developer" is OpenAI's new "system")."""
+def chat_messages(request: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
+    """Messages as a chat template takes them ("developer" is OpenAI's new "system"); an
+    assistant's tool calls keep their arguments as JSON text, which apply_chat_template
+    decodes."""
     messages = []
-    for m in request.messages:
+    for i, m in enumerate(request.messages):
+        _check_tool_fields(m, f"messages[{i}]")
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         messages.append(message)
     return messages
+
+
+def _check_tool_fields(message: ChatMessage, where: str) -> None:
+    if message.role == "tool" and message.tool_call_id is None:
+        param = f"{where}.tool_call_id"
+        raise APIError(f"{param} is required: the id of the call whose result this is", param=param)
+    for field, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+        if getattr(message, field) is not None and message.role != role:
+            param = f"{where}.{field}"
+            raise APIError(f"{param} belongs to {role} messages only", param=param)

@@ -6,13 +6,15 @@ from these models so every front end serializes the same shapes.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
     ValidationError,
     model_serializer,
 )
@@ -117,6 +119,8 @@ def _is_union_tag(part: object) -> bool:
 def _format_loc(loc: tuple) -> str:
     out = ""
     for part in loc:
+        if isinstance(part, str) and part[:1].isupper():
+            continue  # the member of a tagged union the value was read as
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
 
@@ -206,10 +210,61 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str
+    """The call's arguments as JSON text (an object)."""
+
+
+class ToolCallParam(_Request):
+    """A call an earlier assistant message made."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    """An assistant message's calls (its content may then be null)."""
+    tool_call_id: str | None = None
+    """A tool message's: the id of the call whose result it carries."""
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments (an object); None: no arguments."""
+    strict: bool | None = None
+    """Calls chosen by tool_choice follow the schema, strict or not."""
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("str")]
+    | Annotated[NamedToolChoice, Tag("NamedToolChoice")],
+    # An object is read as a named choice only: its errors then name its own fields.
+    Discriminator(
+        lambda value: "NamedToolChoice" if isinstance(value, dict | BaseModel) else "str"
+    ),
+]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -223,6 +278,12 @@ class ChatCompletionRequest(_SamplingFields):
     """vLLM's: the model continues the last message (with add_generation_prompt false)."""
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: the response carries the top-N logprobs of every prompt token (not streamed)."""
+    tools: list[ChatTool] | None = None
+    """Functions the model may call: they reach the chat template whatever tool_choice is."""
+    tool_choice: ToolChoice | None = None
+    """None: "auto" with tools, else "none" (OpenAI's defaults)."""
+    parallel_tool_calls: bool = True
+    """False: one call at most."""
 
 
 class TokenizeRequest(_Request):
@@ -231,6 +292,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ChatTool] | None = None
+    """As a chat's: rendered into the prompt by the chat template."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     """vLLM's: the model continues the last message (with add_generation_prompt false)."""
@@ -277,16 +340,26 @@ class PromptLogprob(_Response):
     decoded_token: str
 
 
-class _WithPromptLogprobs(_Response):
+class _OmitsUnasked(_Response):
+    """A body whose fields named in `_omitted_when_none` stay out of the JSON while None:
+    what a request did not ask for is not there, as in OpenAI's and vLLM's bodies."""
+
+    _omitted_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unasked(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        for name in self._omitted_when_none:
+            if getattr(self, name) is None:
+                data.pop(name, None)
+        return data
+
+
+class _WithPromptLogprobs(_OmitsUnasked):
     """A body with vLLM's prompt_logprobs (a field of the subclass, so that it stays last in
     the JSON), left out of the JSON unless asked for."""
 
-    @model_serializer(mode="wrap")
-    def _omit_unasked_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if self.prompt_logprobs is None:
-            data.pop("prompt_logprobs", None)
-        return data
+    _omitted_when_none = ("prompt_logprobs",)
 
 
 class CompletionChoice(_WithPromptLogprobs):
@@ -322,9 +395,25 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(_Response):
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(_OmitsUnasked):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """None when the output was tool calls alone."""
+    tool_calls: list[ToolCall] | None = None
+
+    _omitted_when_none = ("tool_calls",)
 
 
 class ChatChoice(_Response):
@@ -348,7 +437,9 @@ class ChatCompletionResponse(_WithPromptLogprobs):
 class ChatChunkChoice(_Response):
     index: int
     delta: dict[str, Any]
-    """{"role": "assistant", "content": ""} first, then {"content": ...}, then {} with the finish reason."""
+    """{"role": "assistant", "content": ""} first, then {"content": ...} (or {"tool_calls":
+    [...]}: on a call's first delta its index, id, type and name, then its index and
+    arguments text), then {} with the finish reason."""
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -22,6 +22,8 @@ from engine.api.protocol import (
     PromptLogprob,
     UsageInfo,
 )
+from engine.api.tool_output import tool_message
+from engine.api.tools import ToolUse
 from engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -131,20 +133,21 @@ def chat_response(
     token_text: TokenText,
     with_logprobs: bool,
     prompt_logprobs: int | None = None,
+    tools: ToolUse | None = None,
 ) -> ChatCompletionResponse:
-    """`prompt_logprobs`: vLLM's top-N per prompt token, on the response."""
+    """`prompt_logprobs`: vLLM's top-N per prompt token, on the response; `tools`: read each
+    choice's text for tool calls."""
     choices = []
     for c in output.outputs:
         logprobs = None
         if with_logprobs and c.logprobs is not None:
             logprobs = chat_logprobs(c.logprobs, token_text)
+        if tools is None:
+            message, finish = ChatResponseMessage(content=c.text), c.finish_reason
+        else:
+            message, finish = tool_message(tools, c.text, c.finish_reason)
         choices.append(
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=logprobs,
-                finish_reason=c.finish_reason,
-            )
+            ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
         )
     shown = None
     if prompt_logprobs is not None:

@@ -36,10 +36,12 @@ from engine.api.protocol import (
 )
 from engine.api.render import CompletionFormat, chat_response, completion_response, usage_of
 from engine.api.stream import DONE, ChatDeltaTracker, CompletionDeltaTracker, sse_error
+from engine.api.tool_parsers import TOOL_CALL_PARSERS
+from engine.api.tools import ToolUse, check_tools, template_tools, tool_use
 from engine.async_engine import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputError, truncate_prompt
-from engine.tokenizer import apply_chat_template
+from engine.tokenizer import ChatInputError, apply_chat_template
 
 # Prompt text of at least this many characters is tokenized on a worker thread while other
 # requests are in flight, so that the event loop goes on streaming them meanwhile (the Rust
@@ -74,7 +76,25 @@ class SSEStream:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, served_model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        served_model_name: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        """`enable_auto_tool_choice`: read tool calls out of a chat's output (tool_choice
+        "auto") in the format of `tool_call_parser` (one of TOOL_CALL_PARSERS), vLLM's
+        server options."""
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got "
+                f"{tool_call_parser!r}"
+            )
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = TOOL_CALL_PARSERS.get(tool_call_parser)
         self.engine = engine
         self.model_name = served_model_name or engine.model_name
         self.max_model_len: int = engine.max_model_len
@@ -130,15 +150,16 @@ class OpenAIServing:
                 param="prompt_logprobs",
             )
         ids = self._checked_prompt(await self._apply_chat_template(request), request, "messages")
+        tools = tool_use(request, self.tool_parser, self.enable_auto_tool_choice, self.tokenizer)
         if request.max_completion_tokens is not None:
             max_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
         else:
             max_field, max_tokens = "max_tokens", request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = to_sampling_params(
-            request, len(ids), self.max_model_len, max_tokens, max_field, logprobs
+            request, len(ids), self.max_model_len, max_tokens, max_field, logprobs, tools
         )
-        return await self._run(request, [ids], [params], ctx or RequestContext(), None)
+        return await self._run(request, [ids], [params], ctx or RequestContext(), None, tools)
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """The ids a completion of `prompt` (or a chat of `messages`) would compute."""
@@ -240,6 +261,7 @@ class OpenAIServing:
                 "to false with it",
                 param="continue_final_message",
             )
+        check_tools(request.tools)
         messages = chat_messages(request)
         size = sum(len(m["content"]) for m in messages)
         try:
@@ -250,7 +272,10 @@ class OpenAIServing:
                 messages,
                 request.add_generation_prompt,
                 request.continue_final_message,
+                template_tools(request.tools),
             )
+        except ChatInputError as e:
+            raise APIError(str(e), param=e.field) from None
         except Exception as e:
             raise APIError(f"messages: {e}", param="messages") from None
 
@@ -274,8 +299,9 @@ class OpenAIServing:
         params: list[SamplingParams],
         ctx: RequestContext,
         fmt: CompletionFormat | None,
+        tools: ToolUse | None = None,
     ) -> CompletionResponse | ChatCompletionResponse | SSEStream:
-        """`fmt`: a completion's; None for a chat."""
+        """`fmt`: a completion's; None for a chat. `tools`: what a chat's tools ask of it."""
         chat = fmt is None
         response_id = ctx.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         priority = ctx.priority if request.priority is None else max(ctx.priority, request.priority)
@@ -286,9 +312,12 @@ class OpenAIServing:
         deadline = _loop_deadline(ctx.deadline)
         outputs = _merge(gens)
         # A grammar that does not compile fails the first output: name the field it came in.
-        structured = (
-            "response_format" if request.structured_outputs is None else "structured_outputs"
-        )
+        if tools is not None and tools.structured_output is not None:
+            structured = "tools"
+        elif request.structured_outputs is None:
+            structured = "response_format"
+        else:
+            structured = "structured_outputs"
         try:
             first = await _next(outputs, deadline, structured)
         except BaseException:
@@ -296,7 +325,9 @@ class OpenAIServing:
             raise
         prompt_lens = [len(ids) for ids in prompts]
         if request.stream:
-            return self._stream(request, outputs, first, deadline, response_id, prompt_lens, fmt)
+            return self._stream(
+                request, outputs, first, deadline, response_id, prompt_lens, fmt, tools
+            )
         async with aclosing(outputs):
             finals: dict[int, RequestOutput] = {}
             item = first
@@ -314,6 +345,7 @@ class OpenAIServing:
                 self.token_text,
                 request.logprobs,
                 request.prompt_logprobs,
+                tools,
             )
         usage = usage_of(prompt_lens, final, fmt.echo_only)
         return completion_response(response_id, self.model_name, final, usage, self.token_text, fmt)
@@ -327,6 +359,7 @@ class OpenAIServing:
         response_id: str,
         prompt_lens: list[int],
         fmt: CompletionFormat | None,
+        tools: ToolUse | None,
     ) -> SSEStream:
         options = request.stream_options
         include_usage = options is not None and options.include_usage
@@ -341,7 +374,7 @@ class OpenAIServing:
             token_text=self.token_text,
         )
         if fmt is None:
-            tracker = ChatDeltaTracker(with_logprobs=request.logprobs, **common)
+            tracker = ChatDeltaTracker(with_logprobs=request.logprobs, tools=tools, **common)
         else:
             tracker = CompletionDeltaTracker(fmt=fmt, **common)
         result = SSEStream()

@@ -20,6 +20,8 @@ from engine.api.protocol import (
     UsageInfo,
 )
 from engine.api.render import CompletionFormat, prompt_part, shown
+from engine.api.tool_output import ToolCallDeltas
+from engine.api.tools import ToolUse
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 DONE = "data: [DONE]\n\n"
@@ -129,11 +131,18 @@ class DeltaTracker:
 
 
 class ChatDeltaTracker(DeltaTracker):
+    """With `tools`, each choice's text is read for tool calls: a delta's logprobs are those
+    of the tokens since the last delta (text a parser holds back keeps its tokens' logprobs
+    until it goes out, or to the finish chunk)."""
+
     chunk_cls = ChatCompletionChunk
 
-    def __init__(self, *, with_logprobs: bool, **kwargs: Any) -> None:
+    def __init__(self, *, with_logprobs: bool, tools: ToolUse | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.with_logprobs = with_logprobs
+        self.tools = tools
+        self._tool_deltas: dict[int, ToolCallDeltas] = {}
+        self._held_logprobs: dict[int, list[TokenLogprobs]] = {}
 
     def _choice_events(
         self,
@@ -152,6 +161,10 @@ class ChatDeltaTracker(DeltaTracker):
             return events
         text, new = advanced
         finish = completion.finish_reason
+        if self.tools is not None:
+            events.extend(self._tool_call_events(index, text, new, finish))
+            sent.finished = finish is not None
+            return events
         logprobs = None if new is None else chat_logprobs(new, self.token_text)
         if text or logprobs is not None:
             events.append(self._chat_event(index, {"content": text}, logprobs=logprobs))
@@ -159,6 +172,35 @@ class ChatDeltaTracker(DeltaTracker):
             events.append(self._chat_event(index, {}, finish_reason=finish))
         sent.finished = finish is not None
         return events
+
+    def _tool_call_events(
+        self, index: int, text: str, new: list[TokenLogprobs] | None, finish: str | None
+    ) -> list[str]:
+        reader = self._tool_deltas.get(index)
+        if reader is None:
+            reader = self._tool_deltas[index] = ToolCallDeltas(self.tools)
+        held = self._held_logprobs.setdefault(index, [])
+        held.extend(new or ())
+        events = []
+        for delta in reader.deltas(text, finish):
+            events.append(self._chat_event(index, delta, logprobs=self._take_logprobs(held)))
+        if finish is not None:
+            events.append(
+                self._chat_event(
+                    index,
+                    {},
+                    logprobs=self._take_logprobs(held),
+                    finish_reason=reader.finish_reason(finish),
+                )
+            )
+        return events
+
+    def _take_logprobs(self, held: list[TokenLogprobs]) -> ChatLogprobs | None:
+        if not held:
+            return None
+        logprobs = chat_logprobs(held, self.token_text)
+        held.clear()
+        return logprobs
 
     def _chat_event(
         self,

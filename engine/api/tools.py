@@ -1,0 +1,193 @@
+"""A chat request's tools: checked, and what they ask of the output (`ToolUse`).
+
+tool_choice "none" leaves the output text. A named function or "required" constrains the
+output with a grammar, to the function's arguments or to a JSON list of calls, so any model
+makes them. "auto" (the default with tools) reads calls out of free text with the server's
+tool_call_parser, the model's own format. Whatever tool_choice is, the tools reach the chat
+template.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+from jsonschema import SchemaError, validators
+
+from engine.api.protocol import APIError, ChatCompletionRequest, ChatTool, NamedToolChoice
+from engine.api.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
+from engine.sampling_params import StructuredOutput
+
+_NO_ARGUMENTS = {"type": "object", "additionalProperties": False}
+"""A function without parameters takes `{}`."""
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a request's output becomes tool calls."""
+
+    choice: Literal["named", "required", "auto"]
+    new_parser: Callable[[], ToolParser]
+    parallel: bool
+    """parallel_tool_calls: false keeps the first call alone."""
+    new_call_id: Callable[[], str]
+    structured_output: StructuredOutput | None = None
+    """The grammar of a named or required choice's output."""
+    eos_text: str | None = None
+    """Where the parser keeps special tokens in the text (its marker is one): the end of
+    sequence token's text, left out of what it reads."""
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.eos_text is not None
+
+    def visible(self, text: str, finish_reason: str | None) -> str:
+        """The part of the output's text (or of its last delta) the parser reads."""
+        if self.eos_text and finish_reason == "stop":
+            return text.removesuffix(self.eos_text)
+        return text
+
+    def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
+        """OpenAI's: "tool_calls" for an output that ended in calls, except a named choice's
+        ("stop"); a cut-short output stays "length"."""
+        if called and finish_reason == "stop" and self.choice != "named":
+            return "tool_calls"
+        return finish_reason
+
+
+def check_tools(tools: list[ChatTool] | None) -> None:
+    """Unique names; parameters that are a JSON schema of an object."""
+    names: set[str] = set()
+    for i, tool in enumerate(tools or ()):
+        name = tool.function.name
+        if name in names:
+            param = f"tools[{i}].function.name"
+            raise APIError(f"{param}: {name!r} names an earlier tool too", param=param)
+        names.add(name)
+        if tool.function.parameters is not None:
+            _check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
+
+
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (OpenAI's shape, fields not given left out)."""
+    if not tools:
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def tool_use(
+    request: ChatCompletionRequest,
+    parser: type[ToolParser] | None,
+    auto_enabled: bool,
+    tokenizer: Any,
+) -> ToolUse | None:
+    """What the request's tools ask of its output (None: nothing, the output is text).
+    `parser`: the server's tool_call_parser, which "auto" needs (with `auto_enabled`)."""
+    tools = request.tools or None
+    choice = "auto" if tools and request.tool_choice is None else request.tool_choice
+    if tools is None:
+        if choice not in (None, "none"):
+            raise APIError(
+                "tool_choice needs tools: the functions the model may call", param="tool_choice"
+            )
+        return None
+    if choice == "none":
+        return None
+    new_call_id = (parser or ToolParser).new_call_id
+    parallel = request.parallel_tool_calls
+    if isinstance(choice, NamedToolChoice):
+        schema = _named_tool(tools, choice).function.parameters or _NO_ARGUMENTS
+        return ToolUse(
+            "named",
+            partial(NamedToolParser, choice.function.name),
+            parallel,
+            new_call_id,
+            StructuredOutput(json.dumps(schema)),
+        )
+    if choice == "required":
+        schema = _calls_schema(tools, parallel)
+        return ToolUse(
+            "required",
+            RequiredToolParser,
+            parallel,
+            new_call_id,
+            StructuredOutput(json.dumps(schema)),
+        )
+    if parser is None or not auto_enabled:
+        raise APIError(
+            'tool_choice "auto" (the default with tools) needs a server that reads its '
+            "model's calls: start it with enable_auto_tool_choice and a tool_call_parser "
+            "(kvray serve --enable-auto-tool-choice --tool-call-parser hermes), or send "
+            'tool_choice "none", "required" or a named function',
+            param="tool_choice",
+        )
+    keeps = parser.special_marker is not None and _is_special(tokenizer, parser.special_marker)
+    return ToolUse(
+        "auto", parser, parallel, new_call_id, eos_text=tokenizer.eos_token if keeps else None
+    )
+
+
+def _named_tool(tools: list[ChatTool], choice: NamedToolChoice) -> ChatTool:
+    for tool in tools:
+        if tool.function.name == choice.function.name:
+            return tool
+    names = ", ".join(repr(t.function.name) for t in tools)
+    param = "tool_choice.function.name"
+    raise APIError(
+        f"{param}: {choice.function.name!r} is not one of the tools ({names})", param=param
+    )
+
+
+def _calls_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
+    """A JSON list of calls `{"name": ..., "parameters": ...}`, each to one of the tools with
+    its schema. Each tool's `$defs` move to the root, where its `$ref`s point."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(tools):
+        parameters = dict(tool.function.parameters or _NO_ARGUMENTS)
+        for name, definition in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
+                param = f"tools[{i}].function.parameters"
+                raise APIError(
+                    f"{param}: $defs.{name} differs from an earlier tool's $defs.{name} (with "
+                    'tool_choice "required" the tools\' definitions share one namespace)',
+                    param=param,
+                )
+        calls.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _check_parameters(schema: dict[str, Any], param: str) -> None:
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        raise APIError(f"{param} is not a valid JSON schema: {e.message}", param=param) from None
+    types = schema.get("type", "object")
+    if "object" not in ([types] if isinstance(types, str) else types):
+        raise APIError(
+            f'{param} must describe an object (type "object"), got type {types!r}', param=param
+        )
+
+
+def _is_special(tokenizer: Any, text: str) -> bool:
+    """`text` is a special token: decoding skips it unless told to keep special tokens."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return any(token.content == text and token.special for token in added.values())
