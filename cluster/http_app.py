@@ -15,6 +15,7 @@ spread): there the CPUs are quicker and the difference is CPU time a replica sav
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures, and
 # string annotations of these closures' types would not resolve.
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -94,6 +95,13 @@ class HotRoutes:
     def __init__(self, handlers: dict[str, Handler], fallback: FastAPI):
         self.handlers = handlers
         self.fallback = fallback
+        self.exception_handlers: dict[type[Exception], Callable[..., Any]] = {}
+
+    def add_exception_handler(self, exc_class: type[Exception], handler: Callable) -> None:
+        """Serve registers its own here (its unavailable-deployment errors as 503s), as it
+        would on a FastAPI app: they apply to both paths."""
+        self.exception_handlers[exc_class] = handler
+        self.fallback.add_exception_handler(exc_class, handler)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         handler = self._handler(scope)
@@ -104,8 +112,16 @@ class HotRoutes:
         try:
             response = await handler(request)
         except Exception as e:
-            response = await internal_error(request, e)
+            response = await self._error_response(request, e)
         await response(scope, receive, send)
+
+    async def _error_response(self, request: Request, exc: Exception) -> Response:
+        on_error = next(
+            (self.exception_handlers[c] for c in type(exc).__mro__ if c in self.exception_handlers),
+            internal_error,
+        )
+        response = on_error(request, exc)
+        return await response if inspect.isawaitable(response) else response
 
     def _handler(self, scope: Any) -> Handler | None:
         if scope["type"] != "http" or scope["method"] != "POST":

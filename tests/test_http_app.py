@@ -5,15 +5,21 @@ import asyncio
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from cluster.http_app import ClosingStreamingResponse, HotRoutes, build_fastapi_app
+
+
+class _Unavailable(Exception):
+    pass
 
 
 async def _completions(request: Request) -> JSONResponse:
     body = await request.body()
     if body == b"boom":
         raise RuntimeError("handler failed")
+    if body == b"busy":
+        raise _Unavailable("no replica")
     if body == b"stream":
 
         async def events():
@@ -89,3 +95,18 @@ def test_a_failing_handler_is_a_500_in_openai_shape():
     r = _call(app, "POST", "/v1/completions", content=b"boom")
     assert r.status_code == 500
     assert r.json()["error"]["message"] == "internal error: RuntimeError"
+
+
+def test_handlers_registered_on_the_app_apply_to_both_paths():
+    """Serve adds its own (a 503 for an unavailable deployment) once the app is built."""
+    app, _ = _app()
+    app.add_exception_handler(_Unavailable, lambda request, exc: PlainTextResponse("busy", 503))
+
+    async def busy_models(request: Request) -> JSONResponse:
+        raise _Unavailable("no replica")
+
+    app.fallback.add_api_route("/busy", busy_models, methods=["GET"])
+    hot = _call(app, "POST", "/v1/completions", content=b"busy")
+    assert (hot.status_code, hot.text) == (503, "busy")
+    routed = _call(app, "GET", "/busy")
+    assert (routed.status_code, routed.text) == (503, "busy")
