@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.core_loop import AbortOp, AddOp, CallOp, CoreLoop, Op, Results
+from engine.generation_config import GenerationDefaults
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_text
@@ -197,6 +198,13 @@ class AsyncEngine:
         if self.in_process:
             return self.engine.config.scheduler_config.max_model_len
         return self._info["max_model_len"]
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The model's generation_config.json defaults (engine/generation_config.py)."""
+        if self.in_process:
+            return self.engine.generation_defaults
+        return self._info["generation_defaults"]
 
     @property
     def num_requests(self) -> int:

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.generation_config import check_setting
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -24,9 +26,9 @@ class ModelConfig(_Frozen):
     model: str | None = None
     """HF folder, a `.gguf` file, or a shape name with `load_format="dummy"`. None: bundled SmolLM2."""
     tokenizer: str | None = None
+    """Tokenizer folder; defaults to the model's own (or the GGUF metadata)."""
     served_model_name: str | None = None
     """Name in the API; defaults to the model's folder or file name."""
-    """Tokenizer folder; defaults to the model's own (or the GGUF metadata)."""
     dtype: DType = "auto"
     """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmuls on a CPU are slow and inexact)."""
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
@@ -34,6 +36,15 @@ class ModelConfig(_Frozen):
     """Prompt + output tokens per request; defaults to the model's max_position_embeddings."""
     seed: int = 0
     """Seed for dummy weights and for requests that give no seed of their own."""
+    generation_config: str = "auto"
+    """auto: the model folder's generation_config.json gives the sampling defaults of
+    requests that leave them unset, their default length and more EOS ids; vllm: the
+    engine's own defaults (vLLM's spelling); or a folder holding a generation_config.json."""
+
+    @field_validator("generation_config")
+    @classmethod
+    def _check_generation_config(cls, value: str) -> str:
+        return check_setting(value)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -242,6 +242,7 @@ def run_engine_process(engine_args: dict, conn: Any) -> None:
             {
                 "model_name": engine.model_name,
                 "max_model_len": engine.config.scheduler_config.max_model_len,
+                "generation_defaults": engine.generation_defaults,
                 "tokenizer": engine.tokenizer,
             },
         )

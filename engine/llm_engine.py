@@ -16,6 +16,7 @@ from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from engine.config import EngineConfig, UsageContext
 from engine.executor import Executor, PendingOutput, get_executor_class
 from engine.gc_pauses import frozen_heap
+from engine.generation_config import end_of_sequence_ids, read_generation_defaults
 from engine.loader import ModelSource, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -97,10 +98,17 @@ class LLMEngine:
         )
         self.scheduler.schedule_placeholders = self.executor.supports_overlap
         self.scheduler.num_micro_batches = self.executor.max_concurrent_batches
-        eos = getattr(hf_config, "eos_token_id", None)
-        if eos is None and tokenizer is not None:
-            eos = tokenizer.eos_token_id
-        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        self.generation_defaults = read_generation_defaults(
+            config.model.generation_config, source.path if source.kind == "hf" else None
+        )
+        eos_ids = end_of_sequence_ids(hf_config, tokenizer, self.generation_defaults)
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        runner_eos = getattr(hf_config, "eos_token_id", None)
+        runner_eos = runner_eos[0] if isinstance(runner_eos, list) else runner_eos
+        self.more_eos_token_ids = [t for t in eos_ids if t != runner_eos]
+        """Ids that end a request as EOS does besides the one the model runner holds back
+        for min_tokens (config.json's first): added to a request's stop_token_ids unless it
+        ignores EOS."""
         self.vocab_size: int = hf_config.vocab_size
         self._parents: dict[str, _ParentRequest] = {}
         self._sample_parent: dict[str, str] = {}
@@ -197,6 +205,7 @@ class LLMEngine:
             prompt_text, prompt_ids = None, list(prompt)
         max_len = self.config.scheduler_config.max_model_len
         prompt_ids = truncate_prompt(prompt_ids, sampling_params.truncate_prompt_tokens, max_len)
+        sampling_params = self._with_every_eos(sampling_params)
         self._check_prompt(prompt_ids)
         for name in ("logit_bias", "allowed_token_ids"):
             bad = [t for t in getattr(sampling_params, name) or () if t >= self.vocab_size]
@@ -256,6 +265,16 @@ class LLMEngine:
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
         return self._make_output(parent)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults (vLLM's name)."""
+        return SamplingParams(**self.generation_defaults.as_sampling_args())
+
+    def _with_every_eos(self, params: SamplingParams) -> SamplingParams:
+        more = [t for t in self.more_eos_token_ids if t not in params.stop_token_ids]
+        if params.ignore_eos or not more:
+            return params
+        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *more])
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.config.scheduler_config.max_model_len
@@ -508,6 +527,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params: SamplingParams() with
+        the model's generation_config.json defaults (unless generation_config="vllm")."""
+        return self.engine.get_default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -520,7 +544,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -25,6 +25,7 @@ from engine.api.protocol import (
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.async_engine import EngineDeadError
 from engine.bundled import bundled_model_path
+from engine.generation_config import GenerationDefaults
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampling_params import (
     RequestOutputKind,
@@ -44,6 +45,7 @@ class ScriptedEngine:
 
     model_name = "scripted"
     max_model_len = MAX_MODEL_LEN
+    generation_defaults = GenerationDefaults()
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from engine import LLM
 from engine.api.protocol import APIError, ChatCompletionRequest, TokenizeRequest
 from engine.api.serving import OpenAIServing
 from engine.bundled import bundled_model_path
+from engine.generation_config import GenerationDefaults
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import ChatInputError, load_tokenizer
@@ -62,6 +63,7 @@ class TextEngine:
 
     model_name = "scripted"
     max_model_len = 512
+    generation_defaults = GenerationDefaults()
 
     def __init__(self, tokenizer, text: str, end_with_eos: bool = False):
         self.tokenizer = tokenizer

@@ -7,6 +7,7 @@ engine's max_tokens), checked before anything reaches the engine.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from engine.api.protocol import (
     APIError,
@@ -42,9 +43,11 @@ def to_sampling_params(
     max_tokens_field: str,
     logprobs: int | None,
     tools: ToolUse | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """`max_tokens=None` means "up to max_model_len"; OpenAI's unset fields keep the
-    engine's defaults. `tools`: what a chat's tools ask of the output."""
+    """`max_tokens=None` means "up to max_model_len"; OpenAI's unset fields take `defaults`
+    (the model's generation-config values) or else the engine's defaults. `tools`: what a
+    chat's tools ask of the output."""
     room = max_model_len - prompt_len
     if echo_only(request):
         max_tokens = 1  # the prompt's logprobs come with the first generated token
@@ -93,6 +96,7 @@ def to_sampling_params(
             output_kind=RequestOutputKind.CUMULATIVE
             if request.stream
             else RequestOutputKind.FINAL_ONLY,
+            **{k: v for k, v in (defaults or {}).items() if optional.get(k) is None},
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as e:

@@ -39,6 +39,7 @@ from engine.api.stream import DONE, ChatDeltaTracker, CompletionDeltaTracker, ss
 from engine.api.tool_parsers import TOOL_CALL_PARSERS
 from engine.api.tools import ToolUse, check_tools, template_tools, tool_use
 from engine.async_engine import EngineDeadError
+from engine.generation_config import GenerationDefaults
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputError, truncate_prompt
 from engine.tokenizer import ChatInputError, apply_chat_template
@@ -98,6 +99,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = served_model_name or engine.model_name
         self.max_model_len: int = engine.max_model_len
+        self.generation_defaults: GenerationDefaults = engine.generation_defaults
         self.tokenizer = engine.tokenizer
         self.token_text = TokenText(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "kvray-tokenize")
@@ -123,16 +125,18 @@ class OpenAIServing:
             echo_only=echo_only(request),
             prompt_logprobs=request.prompt_logprobs,
         )
-        # OpenAI's default of 16 yields to a long prompt; an explicit max_tokens does not.
+        # OpenAI's default of 16 yields to a long prompt (and to the model's own default);
+        # an explicit max_tokens does not.
         explicit = "max_tokens" in request.model_fields_set
         params = [
             to_sampling_params(
                 request,
                 len(ids),
                 self.max_model_len,
-                request.max_tokens if explicit else min(16, self.max_model_len - len(ids)),
+                request.max_tokens if explicit else self._default_max_tokens(len(ids), 16),
                 "max_tokens",
                 request.logprobs,
+                defaults=self.generation_defaults.sampling,
             )
             for ids in prompts
         ]
@@ -155,11 +159,29 @@ class OpenAIServing:
             max_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
         else:
             max_field, max_tokens = "max_tokens", request.max_tokens
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens(len(ids))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = to_sampling_params(
-            request, len(ids), self.max_model_len, max_tokens, max_field, logprobs, tools
+            request,
+            len(ids),
+            self.max_model_len,
+            max_tokens,
+            max_field,
+            logprobs,
+            tools,
+            defaults=self.generation_defaults.sampling,
         )
         return await self._run(request, [ids], [params], ctx or RequestContext(), None, tools)
+
+    def _default_max_tokens(self, prompt_len: int, api_default: int | None = None) -> int | None:
+        """A request's length when it gives none: the API's default and the model's
+        (generation config max_new_tokens), within what max_model_len leaves; None: up to
+        max_model_len."""
+        limits = [api_default, self.generation_defaults.max_tokens]
+        if all(n is None for n in limits):
+            return None
+        return min(self.max_model_len - prompt_len, *(n for n in limits if n is not None))
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """The ids a completion of `prompt` (or a chat of `messages`) would compute."""
