@@ -3,6 +3,7 @@
 serve run serve_app:app                                   # bundled SmolLM2, 1 replica
 serve run serve_app:build_app model=/path max_replicas=4  # any key of cluster.app_config
 serve run serve_config.yaml                               # the same keys under `args:`
+serve run serve_config_multi.yaml                         # several models (`models:`)
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@
 `kvray serve --key value ...` all validate through `AppConfig`: an unknown key or a bad
 value fails at start with a message naming it. Engine keys are the engine's own
 (engine/config.py), so the two can never drift apart.
+
+With `models` one app serves several models: each entry holds one model's keys
+(PER_MODEL_KEYS: its engine keys and its LLMServer deployment's replica keys), the top level
+the app's own (tenants, API keys, time limits, the ingress); `AppConfig.model_configs()`
+gives one single-model AppConfig per entry.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     create_model,
     field_validator,
@@ -29,6 +35,7 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from engine.loader import default_model_name
 
 
 class TenantConfig(BaseModel):
@@ -126,12 +133,16 @@ class ServeOptions(BaseModel):
     @classmethod
     def _json_string(cls, value: Any) -> Any:
         # `serve run ... api_keys='{"k": "team"}'` and CLI flags hand dicts over as JSON text.
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"not valid JSON: {e}") from None
-        return value
+        return _json_text(value)
+
+
+def _json_text(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+    return value
 
 
 def _engine_fields() -> dict[str, Any]:
@@ -171,6 +182,28 @@ def _engine_fields() -> dict[str, Any]:
 
 ENGINE_KEYS = frozenset(_engine_fields())
 
+# The keys of one model's LLMServer deployment. Every other ServeOptions key is app-wide:
+# with `models` it stays at the top level and applies to every model.
+PER_MODEL_SERVE_KEYS = frozenset(
+    {
+        "min_replicas",
+        "max_replicas",
+        "initial_replicas",
+        "target_ongoing_requests",
+        "max_ongoing_requests",
+        "max_queued_requests",
+        "upscale_delay_s",
+        "downscale_delay_s",
+        "look_back_period_s",
+        "metrics_interval_s",
+        "num_cpus",
+        "engine_process",
+        "enable_auto_tool_choice",
+        "tool_call_parser",
+    }
+)
+PER_MODEL_KEYS = ENGINE_KEYS | PER_MODEL_SERVE_KEYS
+
 _AppConfigBase = create_model("_AppConfigBase", __base__=ServeOptions, **_engine_fields())
 
 
@@ -181,6 +214,60 @@ class AppConfig(_AppConfigBase):
     with equal priorities it admits in arrival order, like "fcfs".
     """
 
+    models: list[dict[str, Any]] | None = Field(
+        default=None,
+        min_length=1,
+        description="several models in one app: a list of entries (JSON on the command line), "
+        "each with one model's engine and replica keys (model, served_model_name, "
+        "tensor_parallel_size, max_replicas, ...); the app's own keys (tenants, api_keys, "
+        "request_timeout_s, ingress_*) stay at the top level",
+    )
+    _model_configs: list[AppConfig] = PrivateAttr(default_factory=list)
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_json_string(cls, value: Any) -> Any:
+        return _json_text(value)
+
+    @model_validator(mode="after")
+    def _check_models(self) -> AppConfig:
+        if self.models is None:
+            return self
+        misplaced = sorted(self.model_fields_set & PER_MODEL_KEYS)
+        if misplaced:
+            raise ValueError(
+                f"models: {', '.join(misplaced)} given at the top level next to `models`: "
+                "a model's keys go in its entry of models"
+            )
+        if self.colocate_ingress and len(self.models) > 1:
+            raise ValueError(
+                f"colocate_ingress=true serves one model (its engine runs in the ingress "
+                f"replica), but models lists {len(self.models)}: drop colocate_ingress"
+            )
+        app_wide = {k: getattr(self, k) for k in self.model_fields_set - {"models"}}
+        configs = [_model_config(i, entry, app_wide) for i, entry in enumerate(self.models)]
+        first_entry: dict[str, int] = {}
+        for i, config in enumerate(configs):
+            name = config.served_name
+            if name in first_entry:
+                raise ValueError(
+                    f"models[{i}]: served name {name!r} is also models[{first_entry[name]}]'s: "
+                    "give one of them another served_model_name"
+                )
+            first_entry[name] = i
+        self._model_configs = configs
+        return self
+
+    @property
+    def served_name(self) -> str:
+        """The model's name in the API, what a request's `model` names."""
+        return self.served_model_name or default_model_name(self.model, self.load_format)
+
+    def model_configs(self) -> list[AppConfig]:
+        """One single-model config per model served: the entries of `models` (each with the
+        app-wide keys and its served_model_name filled in), else this config."""
+        return list(self._model_configs) if self.models is not None else [self]
+
     def engine_args(self) -> dict[str, Any]:
         """The engine keys that were given; the engine resolves the rest."""
         given = (self.model_fields_set & ENGINE_KEYS) | {"policy"}
@@ -189,6 +276,10 @@ class AppConfig(_AppConfigBase):
     def with_resolved_device(self) -> AppConfig:
         """Pin `device` (cuda when the Ray cluster, or this machine, has GPUs), so that the
         placement group and the engine inside it agree."""
+        if self.models is not None:
+            resolved = self.model_copy()
+            resolved._model_configs = [c.with_resolved_device() for c in self._model_configs]
+            return resolved
         if self.device is not None:
             return self
         return self.model_copy(update={"device": "cuda" if _cluster_has_gpus() else "cpu"})
@@ -215,11 +306,41 @@ def load_app_config(args: dict[str, Any] | None) -> AppConfig:
     try:
         return AppConfig.model_validate(dict(args or {}))
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'args'}: {err['msg']}"
-            for err in e.errors(include_url=False)
-        )
-        raise ValueError(f"invalid kvray app config: {problems}") from None
+        raise ValueError(f"invalid kvray app config: {_problems(e)}") from None
+
+
+def _problems(e: ValidationError, within: str | None = None) -> str:
+    """Each error as `key: message`; keys under `within` (the whole config: `args`)."""
+    problems = []
+    for err in e.errors(include_url=False):
+        key = ".".join(str(p) for p in err["loc"])
+        if within is not None:
+            key = f"{within}.{key}" if key else within
+        problems.append(f"{key or 'args'}: {err['msg']}")
+    return "; ".join(problems)
+
+
+def _model_config(index: int, entry: dict[str, Any], app_wide: dict[str, Any]) -> AppConfig:
+    """Entry `index` of `models` as a single-model AppConfig; ValueError naming the entry
+    and the key."""
+    for key in entry:
+        if key not in PER_MODEL_KEYS:
+            where = (
+                "an app-wide key: set it at the top level"
+                if key in AppConfig.model_fields
+                else "unknown key"
+            )
+            raise ValueError(f"models[{index}].{key}: {where}")
+    try:
+        config = AppConfig.model_validate({**app_wide, **entry})
+        if config.served_model_name is None:
+            # Named here, so that the ingress and the engine agree on it.
+            config = AppConfig.model_validate(
+                {**app_wide, **entry, "served_model_name": config.served_name}
+            )
+    except ValidationError as e:
+        raise ValueError(_problems(e, within=f"models[{index}]")) from None
+    return config
 
 
 def _cluster_has_gpus() -> bool:

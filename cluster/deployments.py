@@ -1,5 +1,9 @@
 """Ray Serve deployments: `OpenAIIngress` (HTTP) -> `LLMServer` (one engine per replica).
 
+With `models` the app has one LLMServer deployment per model (`LLMServer:<served name>`,
+each with its own replicas and placement) and the ingress picks one by the request's
+`model` (cluster/model_router.py).
+
 With `colocate_ingress` the ingress holds the engine itself (one deployment, no Ray call
 between HTTP and the engine); it talks to it through the same interface as to a handle.
 
@@ -38,6 +42,7 @@ from cluster.http_app import (
     error_response,
 )
 from cluster.metrics import RayMetricsSink, ReplicaReadiness, TenantMetrics
+from cluster.model_router import ModelRouter
 from cluster.tenants import TenantLimiter, TenantResolver
 from cluster.topology import SERVE_FAST_PATH_ENV
 from engine.api.protocol import (
@@ -276,11 +281,12 @@ def _cancel(replies: Any) -> None:
 class OpenAIIngress:
     async def __init__(
         self,
-        server: DeploymentHandle | None,
+        server: DeploymentHandle | dict[str, DeploymentHandle] | None,
         config: AppConfig,
         limiter: DeploymentHandle | None = None,
     ) -> None:
-        """`server` None: this replica holds the engine itself (colocate_ingress)."""
+        """`server`: the one model's LLMServer, or served name -> LLMServer for several;
+        None: this replica holds the engine itself (colocate_ingress)."""
         # The ingress holds every stream's HTTP state: a full collection walks all of it.
         tune_for_serving()
         self.host: EngineHost | None = None
@@ -288,14 +294,11 @@ class OpenAIIngress:
             self.host = EngineHost()
             await self.host.start(config)
             server = LocalServer(self.host, colocated_capacity(config))
-        self.server = server
-        # .options() starts the handle's router now, so it knows the replicas before the
-        # first burst arrives (a cold router queues everything and trips max_queued_requests).
-        self.server_stream = server.options(stream=True)
+        servers = server if isinstance(server, dict) else {config.served_name: server}
+        self.router = ModelRouter(servers)
         self.config = config
         self.limiter = limiter
         self.resolver = TenantResolver(config.api_keys, config.tenants)
-        self._models: dict | None = None
         self.tenant_metrics = TenantMetrics(RayMetricsSink())
 
     def __serve_build_asgi_app__(self) -> HotRoutes:
@@ -313,9 +316,9 @@ class OpenAIIngress:
         hot = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
         return HotRoutes(hot, fastapi_app)
 
-    async def stats(self) -> dict:
-        """The engine's counters (tests and tools; not an HTTP route)."""
-        return await self.server.stats.remote()
+    async def stats(self, model: str | None = None) -> dict:
+        """The engine's counters of `model` (tests and tools; not an HTTP route)."""
+        return await self.router.server(model).stats.remote()
 
     def check_health(self) -> None:
         if self.host is not None:
@@ -326,10 +329,7 @@ class OpenAIIngress:
             self.host.shutdown()
 
     async def health(self) -> Response:
-        try:
-            healthy = await asyncio.wait_for(self.server.is_healthy.remote(), timeout=10)
-        except Exception:
-            healthy = False
+        healthy = await self.router.healthy(timeout_s=10)
         return Response(status_code=200 if healthy else 503)
 
     async def models(self, request: Request) -> JSONResponse:
@@ -337,9 +337,7 @@ class OpenAIIngress:
             self.resolver.resolve(request.headers)
         except APIError as e:
             return error_response(e)
-        if self._models is None:
-            self._models = await self.server.models.remote()
-        return JSONResponse(self._models)
+        return JSONResponse(await self.router.models())
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
@@ -358,7 +356,7 @@ class OpenAIIngress:
         try:
             self.resolver.resolve(request.headers)
             parsed = await self._parse_body(request, kind)
-            result = await getattr(self.server, kind).remote(parsed)
+            result = await getattr(self.router.server(parsed.model), kind).remote(parsed)
             if isinstance(result, APIError):
                 raise result
         except APIError as e:
@@ -373,6 +371,7 @@ class OpenAIIngress:
             tenant = self.resolver.resolve(request.headers)
             tenant_name = tenant.name
             parsed = await self._parse_body(request, kind)
+            server = self.router.stream(parsed.model)
             lease = await self._acquire(tenant.name)
             timeout = tenant.config.request_timeout_s or self.config.request_timeout_s
             ctx = RequestContext(
@@ -380,7 +379,7 @@ class OpenAIIngress:
                 cache_salt=tenant.cache_salt,
                 deadline=None if timeout is None else received + timeout,
             )
-            response = await self._call_server(kind, parsed, ctx, lease, tenant.name)
+            response = await self._call_server(server, kind, parsed, ctx, lease, tenant.name)
         except APIError as e:
             self._release(lease, 0)
             self.tenant_metrics.request_done(tenant_name, e.status_code)
@@ -438,9 +437,16 @@ class OpenAIIngress:
             contextvars.Context().run(self.limiter.release.remote, lease, tokens)
 
     async def _call_server(
-        self, kind: str, parsed: Any, ctx: RequestContext, lease: str | None, tenant: str
+        self,
+        server: Any,
+        kind: str,
+        parsed: Any,
+        ctx: RequestContext,
+        lease: str | None,
+        tenant: str,
     ) -> Response:
-        replies = self.server_stream.generate.remote(kind, parsed, ctx)
+        """`server`: the streaming handle of the request's model."""
+        replies = server.generate.remote(kind, parsed, ctx)
         try:
             remaining = None if ctx.deadline is None else max(0.0, ctx.deadline - time.time())
             async with asyncio.timeout(remaining):
@@ -500,8 +506,9 @@ class OpenAIIngress:
 
 
 def build_openai_app(config: AppConfig) -> Any:
-    """The Serve application: ingress -> LLMServer (+ TenantLimiter when tenants have limits);
-    with colocate_ingress the ingress replicas take LLMServer's options and hold the engine."""
+    """The Serve application: ingress -> LLMServer, one per model (+ TenantLimiter when
+    tenants have limits); with colocate_ingress the ingress replicas take LLMServer's
+    options and hold the engine."""
     config = config.with_resolved_device()
     limiter = None
     if config.has_tenant_limits:
@@ -510,13 +517,22 @@ def build_openai_app(config: AppConfig) -> Any:
             ray_actor_options={"num_cpus": 0, "runtime_env": _replica_env()}
         ).bind(config.tenants, ttl)
     if config.colocate_ingress:
-        options = llm_server_options(config)
+        (model,) = config.model_configs()  # app_config refuses colocation of several
+        options = llm_server_options(model)
         # The ingress bounds the queue itself (LocalServer); Serve's bound sits above it,
         # with room for /health and /v1/models, so that an overload gets OpenAI's 429.
-        options["max_ongoing_requests"] = colocated_capacity(config) + 64
+        options["max_ongoing_requests"] = colocated_capacity(model) + 64
         options["max_queued_requests"] = -1
-        return OpenAIIngress.options(**options).bind(None, config, limiter)
-    server = LLMServer.options(**llm_server_options(config)).bind(config)
+        return OpenAIIngress.options(**options).bind(None, model, limiter)
+    if config.models is None:
+        servers: Any = LLMServer.options(**llm_server_options(config)).bind(config)
+    else:
+        servers = {
+            model.served_name: LLMServer.options(
+                name=llm_server_name(model.served_name), **llm_server_options(model)
+            ).bind(model)
+            for model in config.model_configs()
+        }
     ingress = OpenAIIngress.options(
         autoscaling_config={
             "min_replicas": config.ingress_min_replicas,
@@ -526,7 +542,12 @@ def build_openai_app(config: AppConfig) -> Any:
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": config.ingress_num_cpus, "runtime_env": _replica_env()},
     )
-    return ingress.bind(server, config, limiter)
+    return ingress.bind(servers, config, limiter)
+
+
+def llm_server_name(served_name: str) -> str:
+    """The LLMServer deployment of one of several models (Serve refuses '#' in names)."""
+    return "LLMServer:" + served_name.replace("#", "_")
 
 
 def _replica_env() -> dict[str, Any]:

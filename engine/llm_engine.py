@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from engine.config import EngineConfig, UsageContext
 from engine.executor import Executor, PendingOutput, get_executor_class
 from engine.gc_pauses import frozen_heap
 from engine.generation_config import end_of_sequence_ids, read_generation_defaults
-from engine.loader import ModelSource, load_hf_config, resolve_model_source
+from engine.loader import ModelSource, default_model_name, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
@@ -88,7 +87,9 @@ class LLMEngine:
         self.config = config
         self.hf_config = hf_config
         self.tokenizer = tokenizer
-        self.model_name = config.model.served_model_name or _default_model_name(source)
+        self.model_name = config.model.served_model_name or default_model_name(
+            config.model.model, config.model.load_format
+        )
         executor_class = executor_class or get_executor_class(config)
         self.executor = executor_class(config, hf_config, source)
         self.num_gpu_blocks = self.executor.determine_num_blocks()
@@ -484,14 +485,6 @@ def _sample_index(sample_id: str, parent: _ParentRequest) -> int:
     if len(parent.samples) == 1:
         return 0
     return int(sample_id.rsplit("#", 1)[1])
-
-
-def _default_model_name(source: ModelSource) -> str:
-    if source.kind == "gguf" and Path(source.path) == bundled_model_path():
-        return BUNDLED_MODEL_NAME
-    if source.kind == "dummy":
-        return str(source.path)
-    return Path(source.path).name.removesuffix(".gguf")
 
 
 def _load_tokenizer_for(source: ModelSource, tokenizer: str | None) -> Any | None:

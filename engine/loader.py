@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from engine.bundled import bundled_model_path
+from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from engine.layers.norm import RMSNorm
 from engine.models.registry import architectures_of, get_model_class
 from engine.models.shapes import SHAPE_NAMES, get_shape_config
@@ -57,6 +57,27 @@ def resolve_model_source(model: str | None, load_format: str = "auto") -> ModelS
     if path.is_dir():
         return ModelSource("hf", str(path))
     raise ValueError(f"model {str(path)!r} is neither a model folder nor a .gguf file")
+
+
+def default_model_name(model: str | None, load_format: str = "auto") -> str:
+    """The API name of `model` when no served_model_name is given: its folder or file name
+    (bundled SmolLM2: its own name; dummy weights: the shape name or path). Reads no file,
+    so a Serve app can name its models before any replica loads one."""
+    if model is None:
+        return BUNDLED_MODEL_NAME
+    path = Path(model).expanduser()
+    if load_format == "dummy":
+        return str(path)
+    if path.suffix == ".gguf" and _is_bundled(path):
+        return BUNDLED_MODEL_NAME
+    return path.name.removesuffix(".gguf")
+
+
+def _is_bundled(path: Path) -> bool:
+    try:
+        return path == bundled_model_path()
+    except FileNotFoundError:
+        return False
 
 
 def load_hf_config(source: ModelSource) -> PretrainedConfig:

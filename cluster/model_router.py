@@ -1,0 +1,76 @@
+"""The ingress's view of the models it serves: served name -> that model's server handle.
+
+With one model the server answers whatever a request names (its own 404 names what it
+serves), exactly as before several models could share an app. With several the ingress
+picks the server from the request's `model`: unknown names are OpenAI's 404, and a request
+that names none is a 400 listing the names served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from engine.api.protocol import APIError
+
+
+class ModelRouter:
+    def __init__(self, servers: Mapping[str, Any]) -> None:
+        """`servers`: served name -> an LLMServer handle (or a LocalServer)."""
+        if not servers:
+            raise ValueError("a ModelRouter needs at least one server")
+        self.servers = dict(servers)
+        # .options() starts each handle's router now, so it knows the replicas before the
+        # first burst arrives (a cold router queues everything and trips max_queued_requests).
+        self.streams = {name: server.options(stream=True) for name, server in servers.items()}
+        self._models: dict | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.servers)
+
+    def name_for(self, model: str | None) -> str:
+        """The served name a request for `model` goes to; APIError 404 / 400 if none."""
+        if len(self.servers) == 1:
+            return next(iter(self.servers))
+        served = ", ".join(f"`{name}`" for name in self.servers)
+        if model is None:
+            raise APIError(
+                f"this server serves several models ({served}): name one in `model`",
+                param="model",
+            )
+        if model not in self.servers:
+            raise APIError(
+                f"The model `{model}` does not exist (this server serves {served})",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        return model
+
+    def server(self, model: str | None) -> Any:
+        return self.servers[self.name_for(model)]
+
+    def stream(self, model: str | None) -> Any:
+        """The streaming handle of `model`'s server."""
+        return self.streams[self.name_for(model)]
+
+    async def models(self) -> dict:
+        """OpenAI's model list: every server's cards, in the order of the config."""
+        if self._models is None:
+            lists = await asyncio.gather(*(s.models.remote() for s in self.servers.values()))
+            cards = [card for found in lists for card in found["data"]]
+            self._models = {**lists[0], "data": cards}
+        return self._models
+
+    async def healthy(self, timeout_s: float = 10) -> bool:
+        """True when every model's server answers healthy within `timeout_s`."""
+        try:
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(s.is_healthy.remote() for s in self.servers.values())),
+                timeout=timeout_s,
+            )
+        except Exception:
+            return False
+        return all(answers)

@@ -1,0 +1,192 @@
+"""The ingress of several models without Ray: `OpenAIIngress` over fake servers (in-process
+hosts behind `LocalServer`, the handle stand-in colocate_ingress uses), driven over ASGI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+import cluster.deployments as deployments
+from cluster.app_config import load_app_config
+from cluster.deployments import LocalServer, OpenAIIngress
+from engine.api.protocol import APIError, UsageInfo
+
+
+class _FakeHost:
+    """What the ingress calls on an LLMServer; answers name the model that answered."""
+
+    def __init__(self, name: str, max_model_len: int, healthy: bool = True) -> None:
+        self.name = name
+        self.max_model_len = max_model_len
+        self.healthy = healthy
+        self.asked: list[str | None] = []
+
+    async def generate(self, kind: str, request: Any, ctx: Any):
+        self.asked.append(request.model)
+        if request.model not in (None, self.name):
+            yield APIError(f"The model `{request.model}` does not exist", 404)
+            return
+        if getattr(request, "stream", False):
+            yield ""
+            yield f"data: {json.dumps({'model': self.name})}\n\n"
+            yield "data: [DONE]\n\n"
+            yield UsageInfo(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+            return
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        yield {"model": self.name, "kind": kind, "usage": usage}
+
+    def models(self) -> dict:
+        card = {"id": self.name, "object": "model", "max_model_len": self.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def tokenize(self, request: Any) -> dict:
+        self.asked.append(request.model)
+        return {"count": 1, "max_model_len": self.max_model_len, "tokens": [1]}
+
+    def detokenize(self, request: Any) -> dict:
+        self.asked.append(request.model)
+        return {"prompt": self.name}
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    async def stats(self) -> dict:
+        return {"model": self.name}
+
+
+class _NoMetrics:
+    def inc(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _outside_serve(monkeypatch):
+    monkeypatch.setattr(deployments, "RayMetricsSink", _NoMetrics)
+    monkeypatch.setattr(deployments, "tune_for_serving", lambda: None)
+
+
+CHAT = [{"role": "user", "content": "x"}]
+TWO = {"models": [{"served_model_name": "small", "max_model_len": 256}, {"model": "/m/Big"}]}
+
+
+def _serve(args: dict, hosts: dict[str, _FakeHost], requests: list[tuple], single=False):
+    """Build the ingress over `hosts` and send `requests` ((method, path, json body));
+    returns the responses and the ingress."""
+    ingress_class = OpenAIIngress.func_or_class.__bases__[0]  # under Serve's ASGI wrapper
+
+    async def go():
+        servers = {name: LocalServer(host, 8) for name, host in hosts.items()}
+        ingress = ingress_class.__new__(ingress_class)
+        only = next(iter(servers.values()))
+        await ingress_class.__init__(ingress, only if single else servers, load_app_config(args))
+        transport = httpx.ASGITransport(app=ingress.__serve_build_asgi_app__())
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvray") as client:
+            responses = [await client.request(m, p, json=body) for m, p, body in requests]
+        return responses, ingress
+
+    return asyncio.run(go())
+
+
+def _hosts() -> dict[str, _FakeHost]:
+    return {"small": _FakeHost("small", 256), "Big": _FakeHost("Big", 2048)}
+
+
+def test_each_route_reaches_the_named_models_server():
+    hosts = _hosts()
+    requests = [
+        ("POST", "/v1/completions", {"model": "Big", "prompt": "hi"}),
+        ("POST", "/v1/chat/completions", {"model": "small", "messages": CHAT}),
+        ("POST", "/v1/completions", {"model": "small", "prompt": "hi", "stream": True}),
+        ("POST", "/tokenize", {"model": "small", "prompt": "hi"}),
+        ("POST", "/detokenize", {"model": "Big", "tokens": [1]}),
+    ]  # fmt: skip
+    (big, chat, stream, tokens, text), _ = _serve(TWO, hosts, requests)
+    assert (big.status_code, big.json()["model"]) == (200, "Big")
+    assert chat.json()["model"] == "small" and chat.json()["kind"] == "chat"
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    assert '"model": "small"' in stream.text and stream.text.endswith("data: [DONE]\n\n")
+    assert tokens.json()["max_model_len"] == 256
+    assert text.json() == {"prompt": "Big"}
+    assert hosts["small"].asked == ["small", "small", "small"]
+    assert hosts["Big"].asked == ["Big", "Big"]
+
+
+def test_models_lists_every_served_name_in_config_order():
+    (listed,), _ = _serve(TWO, _hosts(), [("GET", "/v1/models", None)])
+    assert [(m["id"], m["max_model_len"]) for m in listed.json()["data"]] == [
+        ("small", 256),
+        ("Big", 2048),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}),
+        ("/v1/chat/completions", {"model": "nope", "messages": CHAT}),
+        ("/tokenize", {"model": "nope", "prompt": "hi"}),
+    ],
+)
+def test_an_unknown_model_is_openais_404_naming_it_and_what_is_served(path, body):
+    hosts = _hosts()
+    (response,), _ = _serve(TWO, hosts, [("POST", path, body)])
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"], error["type"]) == (
+        "model_not_found",
+        "model",
+        "NotFoundError",
+    )
+    assert "`nope`" in error["message"] and "`small`, `Big`" in error["message"]
+    assert hosts["small"].asked == hosts["Big"].asked == []
+
+
+def test_without_a_model_several_models_are_a_400_naming_them():
+    hosts = _hosts()
+    requests = [
+        ("POST", "/v1/completions", {"prompt": "hi"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+    ]
+    responses, _ = _serve(TWO, hosts, requests)
+    for response in responses:
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "model" and "`small`, `Big`" in error["message"]
+    assert hosts["small"].asked == hosts["Big"].asked == []
+
+
+def test_one_model_keeps_todays_routing_its_server_judges_the_name():
+    host = _FakeHost("SmolLM2-135M-Instruct", 512)
+    requests = [
+        ("POST", "/v1/completions", {"prompt": "hi"}),
+        ("POST", "/v1/completions", {"model": "other", "prompt": "hi"}),
+        ("GET", "/v1/models", None),
+    ]
+    (plain, other, listed), ingress = _serve({}, {host.name: host}, requests, single=True)
+    assert plain.status_code == 200
+    assert other.status_code == 404  # the server's own answer, as before
+    assert host.asked == [None, "other"]
+    assert [m["id"] for m in listed.json()["data"]] == [host.name]
+    assert ingress.router.names == ["SmolLM2-135M-Instruct"]
+
+
+def test_health_needs_every_models_servers():
+    (ok,), _ = _serve(TWO, _hosts(), [("GET", "/health", None)])
+    assert ok.status_code == 200
+    hosts = _hosts()
+    hosts["Big"].healthy = False
+    (sick,), _ = _serve(TWO, hosts, [("GET", "/health", None)])
+    assert sick.status_code == 503
+
+
+def test_stats_name_the_model_when_several_are_served():
+    async def ask(ingress):
+        return await ingress.stats("Big"), await ingress.stats("small")
+
+    _, ingress = _serve(TWO, _hosts(), [])
+    assert asyncio.run(ask(ingress)) == ({"model": "Big"}, {"model": "small"})
