@@ -252,7 +252,8 @@ class LLMEngine:
             parent.samples.append(child)
             self._sample_parent[child.request.request_id] = request_id
             if grammar is not None:
-                self.structured.add(child.request.request_id, grammar)
+                spec = sampling_params.structured_output
+                self.structured.add(child.request.request_id, grammar, spec.starts_after_token_ids)
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
         return self._make_output(parent)
@@ -316,7 +317,7 @@ class LLMEngine:
             scheduler_output.grammar_bitmask = {
                 rid: self.structured.bitmask(rid)
                 for rid in scheduler_output.num_scheduled_tokens
-                if rid in self.structured.matchers and requests[rid].num_output_placeholders
+                if self.structured.constrains(rid) and requests[rid].num_output_placeholders
             }
         if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
             # Every runnable request waits for a step in flight: read that one, then schedule
