@@ -562,18 +562,25 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them
         (`continue_final_message`: the model continues the last message; `tools`: OpenAI's
-        tool definitions, rendered by templates that take them). The output is text: calls
-        in it are not parsed here."""
+        tool definitions, rendered by templates that take them; `chat_template_kwargs`:
+        extra template variables, e.g. Qwen3's `enable_thinking`). The output is text:
+        calls and reasoning in it are not parsed here."""
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.engine.tokenizer
         prompts = [
             apply_chat_template(
-                tokenizer, conv, add_generation_prompt, continue_final_message, tools
+                tokenizer,
+                conv,
+                add_generation_prompt,
+                continue_final_message,
+                tools,
+                chat_template_kwargs,
             )
             for conv in conversations
         ]
