@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: the bundled SmolLM2) with Ray Serve. Dict-valued "
-        "keys (--api-keys, --tenants) take JSON.",
+        "keys (--api-keys, --tenants, --default-chat-template-kwargs) take JSON.",
         argument_default=argparse.SUPPRESS,
     )
     serve.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
