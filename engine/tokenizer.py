@@ -112,6 +112,9 @@ def load_chat_template(value: str, field: str = "chat_template") -> str:
     template text; ValueError naming `field` for a file that is not there or a template
     that does not compile."""
     from jinja2 import TemplateError
+
+    # HF's own compile (its Jinja extensions and filters): a template that compiles here
+    # renders in apply_chat_template.
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     if not isinstance(value, str) or not value.strip():
