@@ -36,6 +36,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.loader import default_model_name
+from engine.tokenizer import ChatInputError, check_template_kwargs, load_chat_template
 
 
 class TenantConfig(BaseModel):
@@ -110,6 +111,17 @@ class ServeOptions(BaseModel):
     """vLLM's: the model's format of tool calls: hermes (Hermes, Qwen2.5, Qwen3:
     <tool_call>{...}</tool_call>), llama3_json (Llama 3.1/3.2's JSON calls), mistral
     ([TOOL_CALLS] and a JSON list)."""
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    """vLLM's: chats' outputs split into the model's thought, between <think> and </think>
+    (message.reasoning and reasoning_content), and the content; a structured output or a
+    forced tool choice then starts after the thought. deepseek_r1 (DeepSeek-R1, QwQ: the
+    output starts thinking), qwen3 (Qwen3: a thought only where the output opens one)."""
+    chat_template: str | None = None
+    """vLLM's: a chat template in place of the tokenizer's, the path of a Jinja file or the
+    template's text (a file is read, and the template compiled, at start)."""
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """vLLM's: variables for every chat template render (e.g. {"enable_thinking": false}); a
+    request's chat_template_kwargs override them."""
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeOptions:
@@ -129,7 +141,21 @@ class ServeOptions(BaseModel):
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         return self
 
-    @field_validator("api_keys", "tenants", mode="before")
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        # The text travels in the config: replicas on other nodes may not have the file.
+        return None if value is None else load_chat_template(value, "chat_template")
+
+    @field_validator("default_chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return check_template_kwargs(value, "default_chat_template_kwargs")
+        except ChatInputError as e:
+            raise ValueError(str(e)) from None
+
+    @field_validator("api_keys", "tenants", "default_chat_template_kwargs", mode="before")
     @classmethod
     def _json_string(cls, value: Any) -> Any:
         # `serve run ... api_keys='{"k": "team"}'` and CLI flags hand dicts over as JSON text.
@@ -200,6 +226,9 @@ PER_MODEL_SERVE_KEYS = frozenset(
         "engine_process",
         "enable_auto_tool_choice",
         "tool_call_parser",
+        "reasoning_parser",
+        "chat_template",
+        "default_chat_template_kwargs",
     }
 )
 PER_MODEL_KEYS = ENGINE_KEYS | PER_MODEL_SERVE_KEYS

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: the bundled SmolLM2) with Ray Serve; several "
         "models with --models instead. Dict- and list-valued keys (--api-keys, --tenants, "
-        "--models) take JSON.",
+        "--default-chat-template-kwargs, --models) take JSON.",
         argument_default=argparse.SUPPRESS,
     )
     serve.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")

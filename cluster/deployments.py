@@ -94,6 +94,9 @@ class EngineHost:
             self.engine,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
+            chat_template=config.chat_template,
+            default_chat_template_kwargs=config.default_chat_template_kwargs,
         )
         sink = RayMetricsSink()
         self.engine.enable_metrics(sink)

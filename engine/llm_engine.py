@@ -262,7 +262,8 @@ class LLMEngine:
             parent.samples.append(child)
             self._sample_parent[child.request.request_id] = request_id
             if grammar is not None:
-                self.structured.add(child.request.request_id, grammar)
+                spec = sampling_params.structured_output
+                self.structured.add(child.request.request_id, grammar, spec.starts_after_token_ids)
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
         return self._make_output(parent)
@@ -336,7 +337,7 @@ class LLMEngine:
             scheduler_output.grammar_bitmask = {
                 rid: self.structured.bitmask(rid)
                 for rid in scheduler_output.num_scheduled_tokens
-                if rid in self.structured.matchers and requests[rid].num_output_placeholders
+                if self.structured.constrains(rid) and requests[rid].num_output_placeholders
             }
         if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
             # Every runnable request waits for a step in flight: read that one, then schedule
@@ -578,18 +579,25 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them
         (`continue_final_message`: the model continues the last message; `tools`: OpenAI's
-        tool definitions, rendered by templates that take them). The output is text: calls
-        in it are not parsed here."""
+        tool definitions, rendered by templates that take them; `chat_template_kwargs`:
+        extra template variables, e.g. Qwen3's `enable_thinking`). The output is text:
+        calls and reasoning in it are not parsed here."""
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.engine.tokenizer
         prompts = [
             apply_chat_template(
-                tokenizer, conv, add_generation_prompt, continue_final_message, tools
+                tokenizer,
+                conv,
+                add_generation_prompt,
+                continue_final_message,
+                tools,
+                chat_template_kwargs,
             )
             for conv in conversations
         ]

@@ -47,8 +47,24 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    starts_after_token_ids: tuple[int, ...] | None = None
+    """The output is free until it has generated these tokens (a reasoning model's end of
+    thought, `</think>`), and follows the grammar from the next token on. None: from the
+    first token."""
 
     def __post_init__(self) -> None:
+        after = self.starts_after_token_ids
+        if after is not None:
+            if isinstance(after, str | bytes) or not all(isinstance(t, int) for t in after):
+                raise StructuredOutputError(
+                    "structured_output.starts_after_token_ids must be a list of token ids"
+                )
+            if not after:
+                raise StructuredOutputError(
+                    "structured_output.starts_after_token_ids must not be empty (None: the "
+                    "grammar applies from the first token)"
+                )
+            object.__setattr__(self, "starts_after_token_ids", tuple(after))
         for name, what in (("json_schema", "JSON Schema text"), ("regex", "a string")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

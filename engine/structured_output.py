@@ -5,7 +5,10 @@ grammar matchers.
 The engine keeps a matcher for each sample of a structured request. For a step, every such
 request scheduled in it gets the bitmask of the tokens that keep its output a prefix of
 what the grammar accepts, given the tokens it has so far; the sampler sets every other logit to -inf, and
-each token sampled then advances the matcher. A mask needs the request's latest token, so
+each token sampled then advances the matcher. A reasoning model's structured output may
+start after its thought (`StructuredOutput.starts_after_token_ids`, vLLM's behaviour with a
+reasoning parser): until the output has generated the thought's end, the request samples
+freely and its matcher waits. A mask needs the request's latest token, so
 while a structured request runs the engine reads each step before it schedules the next
 (no step is launched ahead of its predecessor's tokens).
 
@@ -43,6 +46,9 @@ class StructuredOutputs:
         self._compile_thread: ThreadPoolExecutor | None = None
         self.matchers: dict[str, Any] = {}
         """Sample request id -> its xgrammar.GrammarMatcher."""
+        self._waiting: dict[str, _Preamble] = {}
+        """Sample request id -> the free preamble it is still in (its grammar applies once
+        the preamble's end has been generated)."""
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
@@ -87,13 +93,23 @@ class StructuredOutputs:
         if self._compile_thread is not None:
             self._compile_thread.shutdown(wait=False, cancel_futures=True)
 
-    def add(self, request_id: str, grammar: Any) -> None:
+    def add(
+        self, request_id: str, grammar: Any, starts_after: tuple[int, ...] | None = None
+    ) -> None:
+        """`starts_after`: the grammar applies after the output has generated these tokens."""
         import xgrammar as xgr
 
         self.matchers[request_id] = xgr.GrammarMatcher(grammar)
+        if starts_after:
+            self._waiting[request_id] = _Preamble(starts_after)
 
     def remove(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+
+    def constrains(self, request_id: str) -> bool:
+        """The request's next token follows its grammar (it has one, past any preamble)."""
+        return request_id in self.matchers and request_id not in self._waiting
 
     def bitmask(self, request_id: str) -> np.ndarray:
         """int32 words, bit i of word w set where token 32w + i may come next."""
@@ -107,11 +123,39 @@ class StructuredOutputs:
         matcher = self.matchers.get(request_id)
         if matcher is None:
             return
+        preamble = self._waiting.get(request_id)
+        if preamble is not None:
+            token_ids = preamble.past_end(token_ids)
+            if not preamble.ended:
+                return
+            del self._waiting[request_id]
         for token in token_ids:
             # False only once the JSON is complete (the mask then allows EOS alone, which
             # ignore_eos may sample again and again): nothing more to follow.
             if matcher.is_terminated() or not matcher.accept_token(token):
                 return
+
+
+class _Preamble:
+    """Output tokens before a grammar applies, watched for the sequence that ends them."""
+
+    __slots__ = ("end", "tail", "ended")
+
+    def __init__(self, end: tuple[int, ...]) -> None:
+        self.end = list(end)
+        self.tail: list[int] = []
+        """The last tokens seen, as many as could still be the start of `end`."""
+        self.ended = False
+
+    def past_end(self, token_ids: list[int]) -> list[int]:
+        """The tokens of `token_ids` after the end sequence (none while it has not come)."""
+        for i, token in enumerate(token_ids):
+            self.tail.append(token)
+            del self.tail[: -len(self.end)]
+            if self.tail == self.end:
+                self.ended = True
+                return list(token_ids[i + 1 :])
+        return []
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:

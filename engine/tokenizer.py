@@ -6,9 +6,11 @@ UTF-8 character and never show the beginning of a stop string that may still com
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -61,21 +63,99 @@ class ChatInputError(ValueError):
         self.field = field
 
 
+_OWN_TEMPLATE_ARGUMENTS = {
+    "messages": "the request's messages",
+    "conversation": "the request's messages",
+    "tools": "the request's tools",
+    "add_generation_prompt": "the request's add_generation_prompt",
+    "continue_final_message": "the request's continue_final_message",
+    "chat_template": "the server's chat_template",
+}
+"""Template arguments kvray sets itself -> where they come from."""
+_HF_TEMPLATE_ARGUMENTS = frozenset(
+    name
+    for name, p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.items()
+    if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+)
+
+
+def check_template_kwargs(
+    kwargs: Mapping[str, Any] | None, field: str = "chat_template_kwargs"
+) -> dict[str, Any]:
+    """Extra variables for a chat template (vLLM's chat_template_kwargs, e.g. Qwen3's
+    `enable_thinking`), as a dict; ChatInputError for a name that would override what kvray
+    passes itself (the messages, the tools, add_generation_prompt, ...)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ChatInputError(field, f"must be an object, got {type(kwargs).__name__}")
+    for name in kwargs:
+        if not isinstance(name, str):
+            raise ChatInputError(field, f"keys must be strings, got {name!r}")
+        if name in _OWN_TEMPLATE_ARGUMENTS:
+            raise ChatInputError(
+                f"{field}.{name}",
+                f"cannot be set here: kvray passes it to the template itself (from "
+                f"{_OWN_TEMPLATE_ARGUMENTS[name]})",
+            )
+        if name in _HF_TEMPLATE_ARGUMENTS:
+            raise ChatInputError(
+                f"{field}.{name}",
+                "cannot be set here: it is an argument of the tokenizer's "
+                "apply_chat_template, not a template variable",
+            )
+    return dict(kwargs)
+
+
+def load_chat_template(value: str, field: str = "chat_template") -> str:
+    """vLLM's --chat-template: the path of a Jinja file, or the template's text itself, as
+    template text; ValueError naming `field` for a file that is not there or a template
+    that does not compile."""
+    from jinja2 import TemplateError
+
+    # HF's own compile (its Jinja extensions and filters): a template that compiles here
+    # renders in apply_chat_template.
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{field} must be a template or the path of one, got {value!r}")
+    if any(mark in value for mark in ("{{", "{%", "\n")):
+        text = value  # Jinja text: a path has none of these
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"{field}: no such file: {value} (give a Jinja file or the template's text)"
+            )
+        text = path.read_text()
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ValueError(f"{field}: the template does not compile{where}: {e}") from None
+    return text
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template.
+    """Token ids of `messages` rendered with the tokenizer's chat template (or with
+    `chat_template`'s text in its place).
 
     `continue_final_message`: the last message is left open (no end-of-turn after it), so
     the model continues it, e.g. an assistant reply begun by the caller; it takes
     add_generation_prompt=False (a new turn would follow the message otherwise).
     `tools`: OpenAI's tool definitions, for templates that render them. An assistant
     message's `tool_calls` may give their arguments as JSON text (OpenAI's shape): the
-    template gets them decoded, as most templates want."""
+    template gets them decoded, as most templates want. `template_kwargs`: extra template
+    variables (`check_template_kwargs`)."""
+    extra = check_template_kwargs(template_kwargs)
     if not messages:
         raise ValueError("messages must contain at least one message")
     if continue_final_message and add_generation_prompt:
@@ -93,7 +173,7 @@ def apply_chat_template(
             raise ValueError(
                 f"messages[{i}].content must be a str, got {type(message.get('content')).__name__}"
             )
-    if tokenizer.chat_template is None:
+    if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template; send a plain prompt instead")
     messages = [_with_decoded_arguments(m, f"messages[{i}]") for i, m in enumerate(messages)]
     text = tokenizer.apply_chat_template(
@@ -102,6 +182,8 @@ def apply_chat_template(
         continue_final_message=continue_final_message,
         tokenize=False,
         **({} if tools is None else {"tools": tools}),
+        **({} if chat_template is None else {"chat_template": chat_template}),
+        **extra,
     )
     return encode_text(tokenizer, text)
 

@@ -31,6 +31,13 @@ ARGS = {
     "colocate_ingress": True,
     "api_keys": {"key-a": "a"},
     "tenants": {"a": {"max_concurrent_requests": 16}},
+    # Qwen3's way of thinking, on a model that never ends a thought: its output is all
+    # reasoning, unless the request turns thinking off.
+    "reasoning_parser": "qwen3",
+    "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n<think>\n{% if not enable_thinking %}\n</think>\n\n"
+    "{% endif %}",
+    "default_chat_template_kwargs": {"enable_thinking": True},
 }
 PROMPT = "The capital of France is"
 HEADERS = {"Authorization": "Bearer key-a"}
@@ -121,3 +128,25 @@ def test_the_replica_and_its_engine_process_run_at_normal_priority(served):
         engine_processes = replica.children()
         assert engine_processes  # engine_process=True: the engine runs in a child
         assert [p.nice() for p in [replica, *engine_processes]] == [0] * (1 + len(engine_processes))
+
+
+def test_reasoning_and_the_chat_template_keys_reach_the_replica(served):
+    url, _ = served
+    body = {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 6, "temperature": 0}
+    chat = f"{url}/v1/chat/completions"
+    thinking = httpx.post(chat, json=body, headers=HEADERS, timeout=60).json()["choices"][0]
+    assert thinking["message"]["reasoning"] == thinking["message"]["reasoning_content"]
+    assert thinking["message"]["reasoning"] and thinking["message"]["content"] is None
+    deltas = []
+    with httpx.stream("POST", chat, json={**body, "stream": True}, headers=HEADERS) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                deltas.append(json.loads(line[len("data: ") :])["choices"][0]["delta"])
+    assert "".join(d.get("reasoning", "") for d in deltas) == thinking["message"]["reasoning"]
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    answer = httpx.post(chat, json=off, headers=HEADERS, timeout=60).json()["choices"][0]
+    assert answer["message"]["content"] and "reasoning" not in answer["message"]
+    refused = {**body, "chat_template_kwargs": {"add_generation_prompt": False}}
+    bad = httpx.post(chat, json=refused, headers=HEADERS, timeout=60)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"

@@ -39,6 +39,16 @@ ROOT = Path(__file__).resolve().parents[1]
         ({"block_size": "big"}, "block_size"),
         ({"tool_call_parser": "qwen9"}, "tool_call_parser"),
         ({"enable_auto_tool_choice": True}, "tool_call_parser"),
+        ({"reasoning_parser": "granite"}, "reasoning_parser"),
+        ({"chat_template": "/no/such/template.jinja"}, "chat_template: no such file"),
+        (
+            {"chat_template": "{% for m in messages %}{{ m.content }}"},
+            "chat_template: the template does not compile",
+        ),
+        (
+            {"default_chat_template_kwargs": '{"tools": []}'},
+            "default_chat_template_kwargs.tools cannot be set",
+        ),
         ({"dtype": "float64"}, "dtype"),
         ({"tenants": {"a": {"priorty": 1}}}, "priorty"),
         ({"api_keys": "{not json"}, "api_keys"),
@@ -117,6 +127,26 @@ def test_tool_call_keys_are_vllms_flags_and_name_the_servings_parsers():
         assert load_app_config({"tool_call_parser": name}).tool_call_parser == name
     with pytest.raises(ValueError, match="tool_call_parser"):
         load_app_config({"tool_call_parser": "granite"})
+
+
+def test_reasoning_and_template_keys_are_vllms_flags_and_reach_the_serving(tmp_path):
+    from engine.api.reasoning_parsers import REASONING_PARSERS
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    config, _ = parse_serve_args(
+        ["serve", "--reasoning-parser", "qwen3", "--chat-template", str(template),
+         "--default-chat-template-kwargs", '{"enable_thinking": false}']
+    )  # fmt: skip
+    assert config.reasoning_parser == "qwen3"
+    assert config.chat_template == template.read_text()  # the text travels, not the path
+    assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    assert not {"reasoning_parser", "chat_template"} & set(config.engine_args())
+    assert set(AppConfig.model_fields["reasoning_parser"].annotation.__args__[0].__args__) == set(
+        REASONING_PARSERS
+    )
+    inline = load_app_config({"chat_template": "{{ messages[0].content }}"})
+    assert inline.chat_template == "{{ messages[0].content }}"
 
 
 def test_kvray_serve_rejects_a_bad_value_naming_it(capsys):

@@ -153,6 +153,33 @@ def test_a_regex_a_choice_and_a_grammar_shape_the_output(llm):
     assert re.fullmatch(r"The answer is (yes|no)\.", shaped[2].text)
 
 
+def test_a_grammar_after_a_preamble_applies_from_the_token_after_its_end(llm):
+    # A reasoning model's thought is free and its answer follows the grammar: here the
+    # "thought" ends with the first three tokens the model writes unconstrained.
+    ids = _chat_ids(llm, "Name a city and a year.")
+    free = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0]
+    assert not re.match(r"[0-9]", free.text)
+    end = tuple(free.token_ids[1:3])
+    regex = r"[0-9]{3}"
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=24,
+            structured_output=StructuredOutput(regex=regex, starts_after_token_ids=after),
+        )
+        for after in (end, (len(llm.engine.tokenizer) - 1,) * 2)
+    ]
+    gated, never = (o.outputs[0] for o in llm.generate([ids, ids], params))
+    assert gated.token_ids[:3] == free.token_ids[:3]
+    preamble = llm.engine.tokenizer.decode(free.token_ids[:3])
+    assert gated.text.startswith(preamble) and re.fullmatch(regex, gated.text[len(preamble) :])
+    assert gated.finish_reason == "stop"
+    assert never.token_ids == free.token_ids  # the end never came: free all along
+    with pytest.raises(ValueError, match="starts_after_token_ids must not be empty"):
+        StructuredOutput(regex="a", starts_after_token_ids=())
+    assert StructuredOutput(starts_after_token_ids=[1, 2]).starts_after_token_ids == (1, 2)
+
+
 def test_one_kind_of_structured_output_at_a_time():
     with pytest.raises(ValueError, match="regex and choice"):
         StructuredOutput(regex="a+", choice=["a"])

@@ -17,6 +17,7 @@ from engine.api.protocol import (
     ResponseFormat,
     TokenizeRequest,
 )
+from engine.api.reasoning import ReasoningUse
 from engine.api.tools import ToolUse
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
@@ -43,11 +44,13 @@ def to_sampling_params(
     max_tokens_field: str,
     logprobs: int | None,
     tools: ToolUse | None = None,
+    reasoning: ReasoningUse | None = None,
     defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """`max_tokens=None` means "up to max_model_len"; OpenAI's unset fields take `defaults`
     (the model's generation-config values) or else the engine's defaults. `tools`: what a
-    chat's tools ask of the output."""
+    chat's tools ask of the output; `reasoning`: with a reasoning parser, a structured
+    output starts after the thought."""
     room = max_model_len - prompt_len
     if echo_only(request):
         max_tokens = 1  # the prompt's logprobs come with the first generated token
@@ -66,6 +69,9 @@ def to_sampling_params(
             param=max_tokens_field,
             code="context_length_exceeded",
         )
+    structured = _structured_output(request, tools)
+    if reasoning is not None:
+        structured = reasoning.structured_output(structured)
     optional = {
         "n": request.n,
         "temperature": request.temperature,
@@ -80,7 +86,7 @@ def to_sampling_params(
         "stop_token_ids": request.stop_token_ids,
         "logit_bias": _logit_bias(request.logit_bias),
         "allowed_token_ids": request.allowed_token_ids,
-        "structured_output": _structured_output(request, tools),
+        "structured_output": structured,
     }
     try:
         return SamplingParams(

@@ -284,6 +284,9 @@ class ChatCompletionRequest(_SamplingFields):
     """None: "auto" with tools, else "none" (OpenAI's defaults)."""
     parallel_tool_calls: bool = True
     """False: one call at most."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template (e.g. Qwen3's `enable_thinking`),
+    over the server's default_chat_template_kwargs."""
 
 
 class TokenizeRequest(_Request):
@@ -297,6 +300,8 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     """vLLM's: the model continues the last message (with add_generation_prompt false)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """As a chat's: extra variables for the chat template."""
     return_token_strs: bool = False
 
 
@@ -410,10 +415,15 @@ class ToolCall(_Response):
 class ChatResponseMessage(_OmitsUnasked):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    """None when the output was tool calls alone."""
+    """None when the output was tool calls alone (or, with a reasoning parser, a thought
+    alone)."""
+    reasoning: str | None = None
+    """vLLM's, with a reasoning_parser: the model's thought (between <think> and </think>)."""
+    reasoning_content: str | None = None
+    """vLLM's older name of `reasoning`, sent beside it."""
     tool_calls: list[ToolCall] | None = None
 
-    _omitted_when_none = ("tool_calls",)
+    _omitted_when_none = ("reasoning", "reasoning_content", "tool_calls")
 
 
 class ChatChoice(_Response):
@@ -439,7 +449,8 @@ class ChatChunkChoice(_Response):
     delta: dict[str, Any]
     """{"role": "assistant", "content": ""} first, then {"content": ...} (or {"tool_calls":
     [...]}: on a call's first delta its index, id, type and name, then its index and
-    arguments text), then {} with the finish reason."""
+    arguments text; with a reasoning parser, {"reasoning": ..., "reasoning_content": ...}
+    while the model thinks), then {} with the finish reason."""
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

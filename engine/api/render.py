@@ -22,6 +22,7 @@ from engine.api.protocol import (
     PromptLogprob,
     UsageInfo,
 )
+from engine.api.reasoning import ReasoningUse
 from engine.api.tool_output import tool_message
 from engine.api.tools import ToolUse
 from engine.outputs import CompletionOutput, RequestOutput
@@ -134,18 +135,25 @@ def chat_response(
     with_logprobs: bool,
     prompt_logprobs: int | None = None,
     tools: ToolUse | None = None,
+    reasoning: ReasoningUse | None = None,
 ) -> ChatCompletionResponse:
     """`prompt_logprobs`: vLLM's top-N per prompt token, on the response; `tools`: read each
-    choice's text for tool calls."""
+    choice's text for tool calls; `reasoning`: split each choice's text into the model's
+    thought and its content first (the tool calls are read in the content alone)."""
     choices = []
     for c in output.outputs:
         logprobs = None
         if with_logprobs and c.logprobs is not None:
             logprobs = chat_logprobs(c.logprobs, token_text)
+        thought, content = (None, c.text) if reasoning is None else reasoning.split(c.text)
         if tools is None:
-            message, finish = ChatResponseMessage(content=c.text), c.finish_reason
+            message, finish = ChatResponseMessage(content=content), c.finish_reason
         else:
-            message, finish = tool_message(tools, c.text, c.finish_reason)
+            message, finish = tool_message(tools, content or "", c.finish_reason)
+        if thought is not None:
+            message = message.model_copy(
+                update={"reasoning": thought, "reasoning_content": thought}
+            )
         choices.append(
             ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
         )

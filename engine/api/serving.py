@@ -34,6 +34,8 @@ from engine.api.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from engine.api.reasoning import ReasoningUse, reasoning_use
+from engine.api.reasoning_parsers import REASONING_PARSERS
 from engine.api.render import CompletionFormat, chat_response, completion_response, usage_of
 from engine.api.stream import DONE, ChatDeltaTracker, CompletionDeltaTracker, sse_error
 from engine.api.tool_parsers import TOOL_CALL_PARSERS
@@ -42,7 +44,12 @@ from engine.async_engine import EngineDeadError
 from engine.generation_config import GenerationDefaults
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputError, truncate_prompt
-from engine.tokenizer import ChatInputError, apply_chat_template
+from engine.tokenizer import (
+    ChatInputError,
+    apply_chat_template,
+    check_template_kwargs,
+    load_chat_template,
+)
 
 # Prompt text of at least this many characters is tokenized on a worker thread while other
 # requests are in flight, so that the event loop goes on streaming them meanwhile (the Rust
@@ -83,10 +90,17 @@ class OpenAIServing:
         served_model_name: str | None = None,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        chat_template: str | None = None,
+        default_chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """`enable_auto_tool_choice`: read tool calls out of a chat's output (tool_choice
-        "auto") in the format of `tool_call_parser` (one of TOOL_CALL_PARSERS), vLLM's
-        server options."""
+        """vLLM's server options. `enable_auto_tool_choice`: read tool calls out of a
+        chat's output (tool_choice "auto") in the format of `tool_call_parser` (one of
+        TOOL_CALL_PARSERS). `reasoning_parser` (one of REASONING_PARSERS): split a chat's
+        output into the model's thought and its content. `chat_template`: a template (its
+        text, or the path of a Jinja file) in place of the tokenizer's;
+        `default_chat_template_kwargs`: template variables a request's
+        chat_template_kwargs add to or override."""
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got "
@@ -94,6 +108,19 @@ class OpenAIServing:
             )
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got "
+                f"{reasoning_parser!r}"
+            )
+        self.reasoning_parser = REASONING_PARSERS.get(reasoning_parser)
+        self.chat_template = None if chat_template is None else load_chat_template(chat_template)
+        try:
+            self.default_template_kwargs = check_template_kwargs(
+                default_chat_template_kwargs, "default_chat_template_kwargs"
+            )
+        except ChatInputError as e:
+            raise ValueError(str(e)) from None
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_parser = TOOL_CALL_PARSERS.get(tool_call_parser)
         self.engine = engine
@@ -155,6 +182,7 @@ class OpenAIServing:
             )
         ids = self._checked_prompt(await self._apply_chat_template(request), request, "messages")
         tools = tool_use(request, self.tool_parser, self.enable_auto_tool_choice, self.tokenizer)
+        reasoning = reasoning_use(self.reasoning_parser, self.tokenizer, ids)
         if request.max_completion_tokens is not None:
             max_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
         else:
@@ -170,9 +198,12 @@ class OpenAIServing:
             max_field,
             logprobs,
             tools,
+            reasoning,
             defaults=self.generation_defaults.sampling,
         )
-        return await self._run(request, [ids], [params], ctx or RequestContext(), None, tools)
+        return await self._run(
+            request, [ids], [params], ctx or RequestContext(), None, tools, reasoning
+        )
 
     def _default_max_tokens(self, prompt_len: int, api_default: int | None = None) -> int | None:
         """A request's length when it gives none: the API's default and the model's
@@ -287,6 +318,10 @@ class OpenAIServing:
         messages = chat_messages(request)
         size = sum(len(m["content"]) for m in messages)
         try:
+            template_kwargs = {
+                **self.default_template_kwargs,
+                **check_template_kwargs(request.chat_template_kwargs),
+            }
             return await self._tokenize(
                 size,
                 apply_chat_template,
@@ -295,6 +330,8 @@ class OpenAIServing:
                 request.add_generation_prompt,
                 request.continue_final_message,
                 template_tools(request.tools),
+                template_kwargs,
+                self.chat_template,
             )
         except ChatInputError as e:
             raise APIError(str(e), param=e.field) from None
@@ -322,8 +359,10 @@ class OpenAIServing:
         ctx: RequestContext,
         fmt: CompletionFormat | None,
         tools: ToolUse | None = None,
+        reasoning: ReasoningUse | None = None,
     ) -> CompletionResponse | ChatCompletionResponse | SSEStream:
-        """`fmt`: a completion's; None for a chat. `tools`: what a chat's tools ask of it."""
+        """`fmt`: a completion's; None for a chat. `tools`: what a chat's tools ask of it;
+        `reasoning`: how its output splits into thought and content."""
         chat = fmt is None
         response_id = ctx.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         priority = ctx.priority if request.priority is None else max(ctx.priority, request.priority)
@@ -348,7 +387,7 @@ class OpenAIServing:
         prompt_lens = [len(ids) for ids in prompts]
         if request.stream:
             return self._stream(
-                request, outputs, first, deadline, response_id, prompt_lens, fmt, tools
+                request, outputs, first, deadline, response_id, prompt_lens, fmt, tools, reasoning
             )
         async with aclosing(outputs):
             finals: dict[int, RequestOutput] = {}
@@ -368,6 +407,7 @@ class OpenAIServing:
                 request.logprobs,
                 request.prompt_logprobs,
                 tools,
+                reasoning,
             )
         usage = usage_of(prompt_lens, final, fmt.echo_only)
         return completion_response(response_id, self.model_name, final, usage, self.token_text, fmt)
@@ -382,6 +422,7 @@ class OpenAIServing:
         prompt_lens: list[int],
         fmt: CompletionFormat | None,
         tools: ToolUse | None,
+        reasoning: ReasoningUse | None,
     ) -> SSEStream:
         options = request.stream_options
         include_usage = options is not None and options.include_usage
@@ -396,7 +437,9 @@ class OpenAIServing:
             token_text=self.token_text,
         )
         if fmt is None:
-            tracker = ChatDeltaTracker(with_logprobs=request.logprobs, tools=tools, **common)
+            tracker = ChatDeltaTracker(
+                with_logprobs=request.logprobs, tools=tools, reasoning=reasoning, **common
+            )
         else:
             tracker = CompletionDeltaTracker(fmt=fmt, **common)
         result = SSEStream()

@@ -19,6 +19,8 @@ from engine.api.protocol import (
     PromptLogprob,
     UsageInfo,
 )
+from engine.api.reasoning import ReasoningUse, reasoning_deltas
+from engine.api.reasoning_parsers import ReasoningDelta, ReasoningParser
 from engine.api.render import CompletionFormat, prompt_part, shown
 from engine.api.tool_output import ToolCallDeltas
 from engine.api.tools import ToolUse
@@ -131,17 +133,27 @@ class DeltaTracker:
 
 
 class ChatDeltaTracker(DeltaTracker):
-    """With `tools`, each choice's text is read for tool calls: a delta's logprobs are those
-    of the tokens since the last delta (text a parser holds back keeps its tokens' logprobs
-    until it goes out, or to the finish chunk)."""
+    """With `reasoning`, each choice's text is split into the model's thought (reasoning
+    deltas) and its content; with `tools`, the content is read for tool calls. A delta's
+    logprobs are then those of the tokens since the last delta (text a parser holds back
+    keeps its tokens' logprobs until it goes out, or to the finish chunk)."""
 
     chunk_cls = ChatCompletionChunk
 
-    def __init__(self, *, with_logprobs: bool, tools: ToolUse | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        with_logprobs: bool,
+        tools: ToolUse | None = None,
+        reasoning: ReasoningUse | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.with_logprobs = with_logprobs
         self.tools = tools
+        self.reasoning = reasoning
         self._tool_deltas: dict[int, ToolCallDeltas] = {}
+        self._reasoning_parsers: dict[int, ReasoningParser] = {}
         self._held_logprobs: dict[int, list[TokenLogprobs]] = {}
 
     def _choice_events(
@@ -161,8 +173,8 @@ class ChatDeltaTracker(DeltaTracker):
             return events
         text, new = advanced
         finish = completion.finish_reason
-        if self.tools is not None:
-            events.extend(self._tool_call_events(index, text, new, finish))
+        if self.tools is not None or self.reasoning is not None:
+            events.extend(self._parsed_events(index, text, new, finish))
             sent.finished = finish is not None
             return events
         logprobs = None if new is None else chat_logprobs(new, self.token_text)
@@ -173,27 +185,48 @@ class ChatDeltaTracker(DeltaTracker):
         sent.finished = finish is not None
         return events
 
-    def _tool_call_events(
+    def _parsed_events(
         self, index: int, text: str, new: list[TokenLogprobs] | None, finish: str | None
     ) -> list[str]:
-        reader = self._tool_deltas.get(index)
-        if reader is None:
-            reader = self._tool_deltas[index] = ToolCallDeltas(self.tools)
+        """The deltas of text read by the reasoning parser, then the content by the tool
+        parser (either may be absent)."""
         held = self._held_logprobs.setdefault(index, [])
         held.extend(new or ())
-        events = []
-        for delta in reader.deltas(text, finish):
-            events.append(self._chat_event(index, delta, logprobs=self._take_logprobs(held)))
+        deltas: list[dict[str, Any]] = []
+        content = text
+        if self.reasoning is not None:
+            split = self._split_reasoning(index, text, finish)
+            deltas += reasoning_deltas(split)
+            content = split.content
+        reader = None
+        if self.tools is not None:
+            reader = self._tool_deltas.get(index)
+            if reader is None:
+                reader = self._tool_deltas[index] = ToolCallDeltas(self.tools)
+            deltas += reader.deltas(content, finish)
+        elif content:
+            deltas.append({"content": content})
+        events = [
+            self._chat_event(index, delta, logprobs=self._take_logprobs(held)) for delta in deltas
+        ]
         if finish is not None:
+            reason = finish if reader is None else reader.finish_reason(finish)
             events.append(
                 self._chat_event(
-                    index,
-                    {},
-                    logprobs=self._take_logprobs(held),
-                    finish_reason=reader.finish_reason(finish),
+                    index, {}, logprobs=self._take_logprobs(held), finish_reason=reason
                 )
             )
         return events
+
+    def _split_reasoning(self, index: int, text: str, finish: str | None) -> ReasoningDelta:
+        parser = self._reasoning_parsers.get(index)
+        if parser is None:
+            parser = self._reasoning_parsers[index] = self.reasoning.new_parser()
+        split = parser.feed(text)
+        if finish is None:
+            return split
+        end = parser.finish()
+        return ReasoningDelta(split.reasoning + end.reasoning, split.content + end.content)
 
     def _take_logprobs(self, held: list[TokenLogprobs]) -> ChatLogprobs | None:
         if not held:
