@@ -19,8 +19,14 @@ from engine.api.serving import OpenAIServing
 from engine.async_engine import AsyncEngine
 from engine.bundled import bundled_model_path
 from engine.tokenizer import ChatInputError, load_tokenizer
-from tests.test_api_serving import _events
-from tests.test_api_tools import HERMES_CALL, WEATHER, TextEngine, _agree
+from tests.test_api_tools import (
+    HERMES_CALL,
+    WEATHER,
+    TextEngine,
+    _agree,
+    _full_and_streamed,
+    _streamed_logprobs,
+)
 
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 THOUGHT = "The user adds 2 and 2.\nThat is 4, not </thin or <th."
@@ -51,15 +57,6 @@ def _serving(tokenizer, text: str, reasoning: str | None = "deepseek_r1", **opti
 
 def _chat(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate_json(json.dumps({"messages": ASK, **fields}))
-
-
-def _full_and_streamed(serving, request: ChatCompletionRequest):
-    async def run():
-        full = await serving.create_chat_completion(request)
-        streamed = request.model_copy(update={"stream": True})
-        return full, await _events(await serving.create_chat_completion(streamed))
-
-    return asyncio.run(run())
 
 
 def _streamed_fields(events: list, index: int = 0) -> dict[str, str]:
@@ -179,14 +176,8 @@ def test_each_of_n_choices_is_split_and_its_logprobs_all_arrive(tokenizer):
         assert full.choices[index].message.content == ANSWER
         got = _streamed_fields(events, index)
         assert (got["reasoning"], got["content"]) == (THOUGHT, ANSWER)
-        entries = [
-            entry
-            for chunk in events[:-1]
-            for choice in chunk["choices"]
-            if choice["index"] == index and choice["logprobs"]
-            for entry in choice["logprobs"]["content"]
-        ]
-        assert len(entries) == len(engine.ids)  # a held-back tag's tokens come later, not never
+        # A held-back tag's tokens come later, not never.
+        assert len(_streamed_logprobs(events, index)) == len(engine.ids)
 
 
 def test_a_structured_output_starts_after_the_thought(tokenizer):

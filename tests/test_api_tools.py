@@ -134,6 +134,17 @@ def _full_and_streamed(serving, request: ChatCompletionRequest):
     return asyncio.run(run())
 
 
+def _streamed_logprobs(events: list, index: int) -> list[dict]:
+    """Choice `index`'s token logprobs, from every delta of a stream."""
+    return [
+        entry
+        for chunk in events[:-1]
+        for choice in chunk["choices"]
+        if choice["index"] == index and choice["logprobs"]
+        for entry in choice["logprobs"]["content"]
+    ]
+
+
 def _assembled(events: list) -> dict[int, dict]:
     """Per choice, what a client assembles from the deltas: content, calls, finish reason."""
     choices: dict[int, dict] = {}
@@ -229,14 +240,8 @@ def test_each_of_n_choices_is_read_for_calls_and_logprobs_all_arrive(tokenizer):
     assert [len(c.message.tool_calls) for c in full.choices] == [2, 2]
     _agree(full, events)
     for index in (0, 1):
-        entries = [
-            entry
-            for chunk in events[:-1]
-            for choice in chunk["choices"]
-            if choice["index"] == index and choice["logprobs"]
-            for entry in choice["logprobs"]["content"]
-        ]
-        assert len(entries) == len(engine.ids)  # held-back text's tokens come later, not never
+        # Held-back text's tokens come later, not never.
+        assert len(_streamed_logprobs(events, index)) == len(engine.ids)
 
 
 def test_parallel_tool_calls_false_keeps_one_call(tokenizer):
