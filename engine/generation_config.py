@@ -89,6 +89,13 @@ def _defaults_from(values: dict[str, Any], path: Path) -> GenerationDefaults:
     return defaults
 
 
+def config_eos_token_id(hf_config: Any) -> int | None:
+    """config.json's EOS id (its first when a list): the one the model runner holds back
+    while a request is under its min_tokens."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos
+
+
 def end_of_sequence_ids(hf_config: Any, tokenizer: Any, defaults: GenerationDefaults) -> list[int]:
     """Every id that ends a sequence, the one the engine calls EOS first: config.json's
     eos_token_id (its first when a list), then the rest of it, the tokenizer's EOS (vLLM's

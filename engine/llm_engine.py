@@ -15,7 +15,11 @@ from typing import Any
 from engine.config import EngineConfig, UsageContext
 from engine.executor import Executor, PendingOutput, get_executor_class
 from engine.gc_pauses import frozen_heap
-from engine.generation_config import end_of_sequence_ids, read_generation_defaults
+from engine.generation_config import (
+    config_eos_token_id,
+    end_of_sequence_ids,
+    read_generation_defaults,
+)
 from engine.loader import ModelSource, default_model_name, load_hf_config, resolve_model_source
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -104,8 +108,7 @@ class LLMEngine:
         )
         eos_ids = end_of_sequence_ids(hf_config, tokenizer, self.generation_defaults)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
-        runner_eos = getattr(hf_config, "eos_token_id", None)
-        runner_eos = runner_eos[0] if isinstance(runner_eos, list) else runner_eos
+        runner_eos = config_eos_token_id(hf_config)
         self.more_eos_token_ids = [t for t in eos_ids if t != runner_eos]
         """Ids that end a request as EOS does besides the one the model runner holds back
         for min_tokens (config.json's first): added to a request's stop_token_ids unless it

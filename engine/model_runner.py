@@ -25,6 +25,7 @@ from engine.distributed import (
     tensor_model_parallel_broadcast,
 )
 from engine.forward_context import AttentionMetadata, forward_context
+from engine.generation_config import config_eos_token_id
 from engine.host_staging import HostToDevice, to_host_async
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.loader import ModelSource, load_model
@@ -105,8 +106,7 @@ class ModelRunner:
         self._prev_samples: torch.Tensor | None = None
         self._h2d = HostToDevice(device)
         self._prev_sample_rows: dict[str, int] = {}
-        eos = getattr(hf_config, "eos_token_id", None)
-        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id: int | None = config_eos_token_id(hf_config)
         self.is_first_stage = get_pp_rank() == 0
         self.is_last_stage = get_pp_rank() == get_pp_size() - 1
         self.is_driver = self.is_last_stage and get_tp_rank() == 0

@@ -46,14 +46,22 @@ class ReasoningUse:
         return dataclasses.replace(spec, starts_after_token_ids=self.end_token_ids)
 
 
+def end_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """`</think>` as the model's tokens (ReasoningUse.end_token_ids)."""
+    return tuple(encode_text(tokenizer, END))
+
+
 def reasoning_use(
-    parser: type[ReasoningParser] | None, tokenizer: Any, prompt_ids: list[int]
+    parser: type[ReasoningParser] | None,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    end_ids: tuple[int, ...],
 ) -> ReasoningUse | None:
-    """How a chat of prompt `prompt_ids` reads its output (None: no reasoning parser)."""
+    """How a chat of prompt `prompt_ids` reads its output (None: no reasoning parser);
+    `end_ids`: `end_token_ids(tokenizer)`, computed once per server."""
     if parser is None:
         return None
     tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    end_ids = tuple(encode_text(tokenizer, END))
     return ReasoningUse(parser, prompt_reasoning(tail), end_ids)
 
 

@@ -34,7 +34,7 @@ from engine.api.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from engine.api.reasoning import ReasoningUse, reasoning_use
+from engine.api.reasoning import ReasoningUse, end_token_ids, reasoning_use
 from engine.api.reasoning_parsers import REASONING_PARSERS
 from engine.api.render import CompletionFormat, chat_response, completion_response, usage_of
 from engine.api.stream import DONE, ChatDeltaTracker, CompletionDeltaTracker, sse_error
@@ -128,6 +128,11 @@ class OpenAIServing:
         self.max_model_len: int = engine.max_model_len
         self.generation_defaults: GenerationDefaults = engine.generation_defaults
         self.tokenizer = engine.tokenizer
+        self._reasoning_end_ids = (
+            end_token_ids(self.tokenizer)
+            if self.reasoning_parser is not None and self.tokenizer is not None
+            else ()
+        )
         self.token_text = TokenText(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "kvray-tokenize")
         self._tokenizing = 0
@@ -182,7 +187,9 @@ class OpenAIServing:
             )
         ids = self._checked_prompt(await self._apply_chat_template(request), request, "messages")
         tools = tool_use(request, self.tool_parser, self.enable_auto_tool_choice, self.tokenizer)
-        reasoning = reasoning_use(self.reasoning_parser, self.tokenizer, ids)
+        reasoning = reasoning_use(
+            self.reasoning_parser, self.tokenizer, ids, self._reasoning_end_ids
+        )
         if request.max_completion_tokens is not None:
             max_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
         else:
@@ -318,9 +325,10 @@ class OpenAIServing:
         messages = chat_messages(request)
         size = sum(len(m["content"]) for m in messages)
         try:
+            # apply_chat_template checks the request's names (check_template_kwargs).
             template_kwargs = {
                 **self.default_template_kwargs,
-                **check_template_kwargs(request.chat_template_kwargs),
+                **(request.chat_template_kwargs or {}),
             }
             return await self._tokenize(
                 size,
