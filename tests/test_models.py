@@ -243,8 +243,7 @@ def test_pipeline_stages_chained_match_transformers():
 
 
 def _tp_worker(rank: int, tmp: str, config, state_dict, steps) -> None:
-    # Forked from a parent whose OpenMP pool may be live: stay single-threaded.
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # two ranks on CI's two cores
     init_distributed(
         tp_size=2, pp_size=1, rank=rank, backend="gloo", init_method=f"file://{tmp}/rdv"
     )
@@ -267,9 +266,10 @@ def test_tensor_parallel_two_ranks_match_transformers(tmp_path):
     b = [t % vocab for t in _prompt(4, seed=12)]
     a[0], b[0] = vocab - 1, 3  # ids from both halves of the vocabulary
     steps = [{"a": a[:5], "b": b}, {"a": a[5:]}]
-    # fork, not spawn: a fresh interpreter would spend seconds re-importing torch and kvray.
+    # spawn, not fork: the test session may hold a running Ray (its threads and sockets), and
+    # a forked copy of that process can crash on its own state.
     args = (str(tmp_path), config, hf.state_dict(), steps)
-    mp.start_processes(_tp_worker, args=args, nprocs=2, start_method="fork")
+    mp.start_processes(_tp_worker, args=args, nprocs=2, start_method="spawn")
     outs = torch.load(tmp_path / "logits.pt")
     assert outs[0]["a"].shape == (5, vocab)
     _close(torch.cat([outs[0]["a"], outs[1]["a"]]), hf_logits(hf, a))
