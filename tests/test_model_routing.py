@@ -12,7 +12,8 @@ import pytest
 
 import cluster.deployments as deployments
 from cluster.app_config import load_app_config
-from cluster.deployments import LocalServer, OpenAIIngress
+from cluster.deployments import OpenAIIngress
+from cluster.local_server import LocalServer
 from engine.api.protocol import APIError, UsageInfo
 
 

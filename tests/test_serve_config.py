@@ -12,7 +12,8 @@ import yaml
 
 from cluster.app_config import ENGINE_KEYS, AppConfig, TenantConfig, load_app_config
 from cluster.cli import build_parser, parse_serve_args
-from cluster.deployments import build_openai_app, colocated_capacity, llm_server_options
+from cluster.deployments import build_openai_app, llm_server_options
+from cluster.local_server import colocated_capacity
 from cluster.tenants import TenantLimiter, TenantResolver
 from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV, node_env
 from engine.api.protocol import APIError
