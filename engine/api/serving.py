@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.api.inputs import chat_messages, check_prompt, echo_only, to_sampling_params
 from engine.api.logprobs import TokenText
+from engine.api.output_streams import loop_deadline, merge_streams, next_output
 from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -40,10 +41,9 @@ from engine.api.render import CompletionFormat, chat_response, completion_respon
 from engine.api.stream import DONE, ChatDeltaTracker, CompletionDeltaTracker, sse_error
 from engine.api.tool_parsers import TOOL_CALL_PARSERS
 from engine.api.tools import ToolUse, check_tools, template_tools, tool_use
-from engine.async_engine import EngineDeadError
 from engine.generation_config import GenerationDefaults
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, StructuredOutputError, truncate_prompt
+from engine.sampling_params import SamplingParams, truncate_prompt
 from engine.tokenizer import (
     ChatInputError,
     apply_chat_template,
@@ -378,8 +378,8 @@ class OpenAIServing:
             self.engine.generate(ids, sp, f"{response_id}-{i}", priority, ctx.cache_salt)
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))
         ]
-        deadline = _loop_deadline(ctx.deadline)
-        outputs = _merge(gens)
+        deadline = loop_deadline(ctx.deadline)
+        outputs = merge_streams(gens)
         # A grammar that does not compile fails the first output: name the field it came in.
         if tools is not None and tools.structured_output is not None:
             structured = "tools"
@@ -388,7 +388,7 @@ class OpenAIServing:
         else:
             structured = "structured_outputs"
         try:
-            first = await _next(outputs, deadline, structured)
+            first = await next_output(outputs, deadline, structured)
         except BaseException:
             await outputs.aclose()
             raise
@@ -402,7 +402,7 @@ class OpenAIServing:
             item = first
             while item is not None:
                 finals[item[0]] = item[1]
-                item = await _next(outputs, deadline)
+                item = await next_output(outputs, deadline)
         final = [finals[i] for i in range(len(prompts))]
         if chat:
             usage = usage_of(prompt_lens, final)
@@ -465,7 +465,7 @@ class OpenAIServing:
                         text = tracker.chunks(output, prompt_index=i)
                         if text:
                             yield text
-                        item = await _next(outputs, deadline)
+                        item = await next_output(outputs, deadline)
                 except APIError as e:
                     yield sse_error(e.to_response().model_dump())
                     yield DONE
@@ -477,79 +477,3 @@ class OpenAIServing:
 
         result.events = events()
         return result
-
-
-def _loop_deadline(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    return asyncio.get_running_loop().time() + (deadline - time.time())
-
-
-async def _next(
-    outputs: AsyncIterator, deadline: float | None, structured: str = "response_format"
-) -> Any:
-    """The next item, None at the end; engine errors become APIErrors (a structured output
-    the engine refuses names the request's field `structured`)."""
-    try:
-        if deadline is None:
-            return await anext(outputs)
-        async with asyncio.timeout_at(deadline):
-            return await anext(outputs)
-    except StopAsyncIteration:
-        return None
-    except TimeoutError:
-        raise APIError(
-            "the request ran past its time limit (request_timeout_s) and was aborted",
-            408,
-            code="request_timeout",
-        ) from None
-    except EngineDeadError as e:
-        raise APIError(f"the engine is not running: {e}", 503, code="engine_dead") from None
-    except StructuredOutputError as e:
-        # The engine names its own field (structured_output); the client sent `structured`.
-        reason = str(e).removeprefix("structured_output: ")
-        raise APIError(f"{structured}: {reason}", param=structured) from None
-    except ValueError as e:
-        raise APIError(str(e)) from None
-
-
-async def _merge(
-    gens: list[AsyncIterator[RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several engine streams as they come, each stream's first
-    output (the engine took its prompt) before any other: a prompt the engine refuses fails
-    the request as a whole, before a response could have started."""
-    if len(gens) == 1:
-        async with aclosing(gens[0]) as gen:
-            async for output in gen:
-                yield 0, output
-        return
-    pending = {asyncio.ensure_future(anext(gen)): i for i, gen in enumerate(gens)}
-    try:
-        await asyncio.wait(pending)
-        firsts = sorted(pending.items(), key=lambda item: item[1])
-        pending = {}
-        errors = [task.exception() for task, _ in firsts]
-        for error in errors:
-            if error is not None and not isinstance(error, StopAsyncIteration):
-                raise error
-        for (task, i), error in zip(firsts, errors, strict=True):
-            if error is None:
-                pending[asyncio.ensure_future(anext(gens[i]))] = i
-                yield i, task.result()
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                try:
-                    output = task.result()
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(anext(gens[i]))] = i
-                yield i, output
-    finally:
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for gen in gens:
-            await gen.aclose()
