@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 import tomllib
+from functools import cache
 from pathlib import Path
 
 import jsonschema
@@ -16,7 +19,7 @@ from cluster.app_config import load_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-CRDS = ROOT.parent / "shared" / "k8s-crds"
+CRD_SCHEMAS = ROOT / "tests" / "data" / "kuberay_crd_schemas.json.gz"
 K8S_VERSION = "1.33.0"
 MANIFESTS = ("rayservice.yaml", "raycluster.yaml", "podmonitors.yaml")
 GPU = "nvidia.com/gpu"
@@ -26,12 +29,16 @@ def _docs(name: str) -> list[dict]:
     return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
 
 
+@cache
+def _crd_schemas() -> dict:
+    """KubeRay's CRD schemas, kind -> version -> openAPIV3Schema (tests/data/README.md)."""
+    return json.loads(gzip.decompress(CRD_SCHEMAS.read_bytes()))
+
+
 def _crd_schema(kind: str, version: str) -> dict:
-    crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())
-    for v in crd["spec"]["versions"]:
-        if v["name"] == version:
-            return v["schema"]["openAPIV3Schema"]
-    raise AssertionError(f"{kind} {version} not in the CRD")
+    schema = _crd_schemas()[kind].get(version)
+    assert schema is not None, f"{kind} {version} is not among the vendored CRD schemas"
+    return schema
 
 
 def _unknown_fields(doc, schema: dict, path: str = "") -> list[str]:
