@@ -364,9 +364,7 @@ def _model_config(index: int, entry: dict[str, Any], app_wide: dict[str, Any]) -
         config = AppConfig.model_validate({**app_wide, **entry})
         if config.served_model_name is None:
             # Named here, so that the ingress and the engine agree on it.
-            config = AppConfig.model_validate(
-                {**app_wide, **entry, "served_model_name": config.served_name}
-            )
+            config = config.model_copy(update={"served_model_name": config.served_name})
     except ValidationError as e:
         raise ValueError(_problems(e, within=f"models[{index}]")) from None
     return config
