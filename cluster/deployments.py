@@ -271,11 +271,13 @@ class OpenAIIngress:
         received = time.time()
         lease = None
         tenant_name = "unauthenticated"
+        model_name = ""
         try:
             tenant = self.resolver.resolve(request.headers)
             tenant_name = tenant.name
             parsed = await self._parse_body(request, kind)
-            server = self.router.stream(parsed.model)
+            model_name = self.router.name_for(parsed.model)
+            server = self.router.stream(model_name)
             lease = await self._acquire(tenant.name)
             timeout = tenant.config.request_timeout_s or self.config.request_timeout_s
             ctx = RequestContext(
@@ -283,19 +285,21 @@ class OpenAIIngress:
                 cache_salt=tenant.cache_salt,
                 deadline=None if timeout is None else received + timeout,
             )
-            response = await self._call_server(server, kind, parsed, ctx, lease, tenant.name)
+            response = await self._call_server(
+                server, kind, parsed, ctx, lease, model_name, tenant.name
+            )
         except APIError as e:
             self._release(lease, 0)
-            self.tenant_metrics.request_done(tenant_name, e.status_code)
+            self.tenant_metrics.request_done(model_name, tenant_name, e.status_code)
             if e.status_code == 429:
-                self.tenant_metrics.rejected(tenant_name, e.code or "rate_limited")
+                self.tenant_metrics.rejected(model_name, tenant_name, e.code or "rate_limited")
             return error_response(e)
         except Exception as e:
             self.tenant_metrics.request_done(
-                tenant_name, 499 if isinstance(e, TaskCancelledError) else 500
+                model_name, tenant_name, 499 if isinstance(e, TaskCancelledError) else 500
             )
             raise
-        self.tenant_metrics.request_done(tenant_name, response.status_code)
+        self.tenant_metrics.request_done(model_name, tenant_name, response.status_code)
         return response
 
     async def _parse_body(self, request: Request, kind: str) -> Any:
@@ -347,6 +351,7 @@ class OpenAIIngress:
         parsed: Any,
         ctx: RequestContext,
         lease: str | None,
+        model: str,
         tenant: str,
     ) -> Response:
         """`server`: the streaming handle of the request's model."""
@@ -382,14 +387,14 @@ class OpenAIIngress:
             usage = first.get("usage", {})
             self._release(lease, usage.get("total_tokens", 0))
             self.tenant_metrics.tokens(
-                tenant, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+                model, tenant, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
             )
             return JSONResponse(first)
         return ClosingStreamingResponse(
-            self._stream(first, replies, lease, tenant), media_type="text/event-stream"
+            self._stream(first, replies, lease, model, tenant), media_type="text/event-stream"
         )
 
-    async def _stream(self, first: str, replies: Any, lease: str | None, tenant: str):
+    async def _stream(self, first: str, replies: Any, lease: str | None, model: str, tenant: str):
         usage = None
         done = False
         try:
@@ -406,7 +411,9 @@ class OpenAIIngress:
                 _cancel(replies)
             self._release(lease, usage.total_tokens if usage is not None else 0)
             if usage is not None:
-                self.tenant_metrics.tokens(tenant, usage.prompt_tokens, usage.completion_tokens)
+                self.tenant_metrics.tokens(
+                    model, tenant, usage.prompt_tokens, usage.completion_tokens
+                )
 
 
 def build_openai_app(config: AppConfig) -> Any:

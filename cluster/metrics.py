@@ -73,22 +73,25 @@ class RayMetricsSink:
 
 
 class TenantMetrics:
-    """Per-tenant requests, tokens and rejections, recorded by the HTTP ingress."""
+    """Per-tenant requests, tokens and rejections, recorded by the HTTP ingress, labelled with
+    the served model name the request went to ("" when it was refused before naming one:
+    a client's unknown model names never become label values)."""
 
     def __init__(self, sink: Any) -> None:
         self.sink = sink
 
-    def request_done(self, tenant: str, status_code: int) -> None:
-        self.sink.inc("kvray_http_requests", 1, {"tenant": tenant, "code": str(status_code)})
+    def request_done(self, model: str, tenant: str, status_code: int) -> None:
+        labels = {"model": model, "tenant": tenant, "code": str(status_code)}
+        self.sink.inc("kvray_http_requests", 1, labels)
 
-    def rejected(self, tenant: str, reason: str) -> None:
-        self.sink.inc("kvray_tenant_rejections", 1, {"tenant": tenant, "reason": reason})
+    def rejected(self, model: str, tenant: str, reason: str) -> None:
+        labels = {"model": model, "tenant": tenant, "reason": reason}
+        self.sink.inc("kvray_tenant_rejections", 1, labels)
 
-    def tokens(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
-        self.sink.inc("kvray_tenant_tokens", prompt_tokens, {"tenant": tenant, "kind": "prompt"})
-        self.sink.inc(
-            "kvray_tenant_tokens", completion_tokens, {"tenant": tenant, "kind": "generation"}
-        )
+    def tokens(self, model: str, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        for kind, count in (("prompt", prompt_tokens), ("generation", completion_tokens)):
+            labels = {"model": model, "tenant": tenant, "kind": kind}
+            self.sink.inc("kvray_tenant_tokens", count, labels)
 
 
 class ReplicaReadiness:

@@ -104,18 +104,19 @@ METRICS: tuple[MetricDef, ...] = (
     _gauge("kvray_replica_ready", "1 while this replica's engine loop is healthy, else 0."),
     _counter(
         "kvray_http_requests",
-        "HTTP generation requests by tenant and status code.",
-        ("tenant", "code"),
+        "HTTP generation requests by model, tenant and status code (no model for a request "
+        "refused before it named a served model).",
+        ("model", "tenant", "code"),
     ),
     _counter(
         "kvray_tenant_tokens",
-        "Tokens billed to a tenant, by kind (prompt or generation).",
-        ("tenant", "kind"),
+        "Tokens billed to a tenant, by model and kind (prompt or generation).",
+        ("model", "tenant", "kind"),
     ),
     _counter(
         "kvray_tenant_rejections",
-        "Requests refused with 429, by tenant and reason (the error code).",
-        ("tenant", "reason"),
+        "Requests refused with 429, by model, tenant and reason (the error code).",
+        ("model", "tenant", "reason"),
     ),
 )
 

@@ -247,13 +247,13 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
                 ],
             ),
             (
-                "Tokens / s by tenant",
+                "Tokens / s by tenant and model",
                 "timeseries",
                 "short",
                 [
                     (
-                        rate("ray_kvray_tenant_tokens_total", "tenant, kind", TENANT),
-                        "{{tenant}} {{kind}}",
+                        rate("ray_kvray_tenant_tokens_total", "model, tenant, kind", TENANT),
+                        "{{tenant}} {{model}} {{kind}}",
                     )
                 ],
             ),

@@ -139,7 +139,8 @@ def test_every_metric_is_exported_with_its_labels():
         assert m.exported_names() <= names, m.name
         assert m.name.startswith("kvray_")
     assert sink.registry.get_sample_value(
-        "kvray_tenant_rejections_total", {"replica": "r1", "tenant": "v", "reason": "v"}
+        "kvray_tenant_rejections_total",
+        {"replica": "r1", "model": "v", "tenant": "v", "reason": "v"},
     )
 
 

@@ -178,3 +178,29 @@ def test_queue_wait_alert_fires_under_a_burst(traffic):
         "(rate(ray_kvray_request_queue_time_seconds_bucket[1m])))",
     )
     assert float(p90[0]["value"][1]) > 0.2
+
+
+def test_tenant_series_name_the_model_a_request_went_to(app_url, traffic):
+    served = httpx.get(f"{app_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    # Refused before it reached a model (malformed JSON): no model label.
+    bad = httpx.post(f"{app_url}/v1/completions", content=b"{not json", timeout=10)
+    assert bad.status_code == 400
+
+    def series(expr: str) -> list[dict]:
+        return _query(traffic, expr)
+
+    tokens = _wait(
+        lambda: series('ray_kvray_tenant_tokens_total{tenant="default",kind="prompt"}'),
+        30,
+        "tenant tokens",
+    )
+    assert {s["metric"]["model"] for s in tokens} == {served}
+    rejected = _wait(
+        lambda: series('ray_kvray_tenant_rejections_total{tenant="metered"}'), 30, "the 429s"
+    )
+    assert {s["metric"]["model"] for s in rejected} == {served}
+    refused = _wait(
+        lambda: series('ray_kvray_http_requests_total{code="400"}'), 30, "the 400's series"
+    )
+    # Prometheus keeps no empty label: the series has no model at all.
+    assert {s["metric"].get("model") for s in refused} == {None}
