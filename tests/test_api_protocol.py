@@ -162,3 +162,18 @@ def test_prompt_logprobs_appear_in_a_choices_json_only_when_given():
         None,
         {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}},
     ]
+
+
+@pytest.mark.parametrize(
+    "status, err_type",
+    [
+        (400, "BadRequestError"),
+        (405, "MethodNotAllowedError"),
+        (499, "InvalidRequestError"),
+        (422, "InvalidRequestError"),
+        (500, "InternalServerError"),
+        (502, "InternalServerError"),
+    ],
+)
+def test_an_error_type_blames_the_server_only_for_a_5xx(status, err_type):
+    assert APIError("x", status).to_response().error.type == err_type

@@ -84,6 +84,8 @@ def test_other_routes_and_methods_go_through_fastapi():
     wrong_method = _call(app, "GET", "/v1/completions")
     assert wrong_method.status_code == 405
     assert "Method Not Allowed" in wrong_method.json()["error"]["message"]
+    # A client's mistake, not the server's: the openai client reads the type as it is.
+    assert wrong_method.json()["error"]["type"] == "MethodNotAllowedError"
     missing = _call(app, "POST", "/v1/nothing")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "not_found"

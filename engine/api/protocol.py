@@ -47,7 +47,9 @@ class APIError(Exception):
     _TYPES = {
         400: "BadRequestError",
         401: "AuthenticationError",
+        403: "PermissionDeniedError",
         404: "NotFoundError",
+        405: "MethodNotAllowedError",
         408: "TimeoutError",
         413: "BadRequestError",
         429: "RateLimitError",
@@ -77,7 +79,9 @@ class APIError(Exception):
         )
 
     def to_response(self) -> ErrorResponse:
-        err_type = self._TYPES.get(self.status_code, "InternalServerError")
+        # A client error never reads as the server's fault, named or not.
+        fallback = "InvalidRequestError" if self.status_code < 500 else "InternalServerError"
+        err_type = self._TYPES.get(self.status_code, fallback)
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=err_type, param=self.param, code=self.code)
         )
