@@ -34,7 +34,7 @@ BASES = {
 
 
 @pytest.fixture(scope="module")
-def serving():
+def served():
     engine = AsyncEngine.from_engine_args(max_model_len=128, max_num_seqs=8, engine_process=False)
     yield OpenAIServing(engine), engine
     engine.shutdown()
@@ -69,8 +69,8 @@ async def _answer(serving: OpenAIServing, kind: str, body: str) -> int:
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_no_field_value_breaks_a_request_or_the_engine(serving, kind):
-    serving, engine = serving
+def test_no_field_value_breaks_a_request_or_the_engine(served, kind):
+    serving, engine = served
 
     async def run() -> dict[str, int]:
         return {body: await _answer(serving, kind, body) for body in _bodies(kind)}
@@ -82,9 +82,9 @@ def test_no_field_value_breaks_a_request_or_the_engine(serving, kind):
     assert refused > len(statuses) // 2, "most of these values are wrong for their field"
     assert engine.is_healthy
 
-    async def still_greedy() -> list[int]:
+    async def four_tokens() -> list[int]:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         outputs = [o async for o in engine.generate("The capital of France is", params, "after")]
         return outputs[-1].outputs[0].token_ids
 
-    assert len(asyncio.run(still_greedy())) == 4
+    assert len(asyncio.run(four_tokens())) == 4
