@@ -334,4 +334,8 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
         return ids
     if keep == -1:
         keep = max_model_len - 1
+    elif keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens ({keep}) must be <= max_model_len ({max_model_len})"
+        )
     return ids[-keep:] if len(ids) > keep else ids

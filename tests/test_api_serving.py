@@ -634,7 +634,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer):
     assert echoed == ids[-5:] and response.choices[0].text == tokenizer.decode(ids[-5:])
     with pytest.raises(APIError, match="max_model_len"):
         asyncio.run(serving.create_completion(_completion(prompt=long_prompt)))
-    for bad in (0, -2):
+    for bad in (0, -2, MAX_MODEL_LEN + 1):
         with pytest.raises((APIError, ValidationError), match="truncate_prompt_tokens"):
             asyncio.run(serving.create_completion(_completion(truncate_prompt_tokens=bad)))
 

@@ -175,6 +175,8 @@ def test_bad_input_is_a_clear_error():
         assert out.prompt_token_ids == ids[-kept:]
         (direct,) = llm.generate([ids[-kept:]], SamplingParams(temperature=0.0, max_tokens=1))
         assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(65\) must be <= max_model_len"):
+        llm.generate([ids], SamplingParams(max_tokens=1, truncate_prompt_tokens=65))
 
 
 def test_missing_weights_file_is_named(tmp_path):

@@ -287,7 +287,10 @@ class OpenAIServing:
             raise APIError(
                 "truncate_prompt_tokens must be >= 1 or -1, got 0", param="truncate_prompt_tokens"
             )
-        ids = truncate_prompt(ids, request.truncate_prompt_tokens, self.max_model_len)
+        try:
+            ids = truncate_prompt(ids, request.truncate_prompt_tokens, self.max_model_len)
+        except ValueError as e:
+            raise APIError(str(e), param="truncate_prompt_tokens") from None
         return check_prompt(ids, self.max_model_len, param)
 
     def _echo_texts(
