@@ -23,6 +23,7 @@ accounting, never sent to the client).
 # methods (`__serve_build_asgi_app__`), and string annotations do not resolve there.
 import asyncio
 import contextvars
+import importlib.metadata
 import time
 from typing import Any
 
@@ -211,6 +212,9 @@ class OpenAIIngress:
             {
                 ("GET", "/health"): self.health,
                 ("GET", "/v1/models"): self.models,
+                # `:path`: served names may hold slashes (meta-llama/Llama-3.1-8B).
+                ("GET", "/v1/models/{model_id:path}"): self.model,
+                ("GET", "/version"): self.version,
                 ("POST", "/v1/completions"): self.completions,
                 ("POST", "/v1/chat/completions"): self.chat_completions,
                 ("POST", "/tokenize"): self.tokenize,
@@ -242,6 +246,16 @@ class OpenAIIngress:
         except APIError as e:
             return error_response(e)
         return JSONResponse(await self.router.models())
+
+    async def model(self, request: Request, model_id: str) -> JSONResponse:
+        try:
+            self.resolver.resolve(request.headers)
+            return JSONResponse(await self.router.model_card(model_id))
+        except APIError as e:
+            return error_response(e)
+
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": importlib.metadata.version("kvray")})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")

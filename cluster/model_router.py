@@ -64,6 +64,19 @@ class ModelRouter:
             self._models = {**lists[0], "data": cards}
         return self._models
 
+    async def model_card(self, model_id: str) -> dict:
+        """OpenAI's retrieve-model answer: the card whose id is `model_id`, else a 404."""
+        for card in (await self.models())["data"]:
+            if card["id"] == model_id:
+                return card
+        served = ", ".join(f"`{name}`" for name in self.servers)
+        raise APIError(
+            f"The model `{model_id}` does not exist (this server serves {served})",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
     async def healthy(self, timeout_s: float = 10) -> bool:
         """True when every model's server answers healthy within `timeout_s`."""
         try:

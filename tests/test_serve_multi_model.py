@@ -68,6 +68,16 @@ def test_models_lists_both_served_names_with_their_context(client):
     assert [(m.id, m.max_model_len) for m in listed] == [(LONG, 512), (SHORT, 256)]
 
 
+def test_retrieve_model_answers_each_card_and_404s_other_names(client):
+    for name in (LONG, SHORT):
+        card = client.models.retrieve(name)
+        assert (card.id, card.max_model_len) == (name, MAX_MODEL_LEN[name])
+    for unknown in ("smol", "org/smol-long"):
+        with pytest.raises(openai.NotFoundError, match=f"`{unknown}` does not exist") as e:
+            client.models.retrieve(unknown)
+        assert e.value.code == "model_not_found" and LONG in str(e.value)
+
+
 def test_each_model_answers_the_offline_engines_greedy_text(served, client):
     _, llm = served
     params = SamplingParams(**FAST)

@@ -87,6 +87,17 @@ def test_models_list(client):
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_retrieve_model_and_version(served, client):
+    url, _ = served
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.max_model_len) == (MODEL, MAX_MODEL_LEN)
+    with pytest.raises(openai.NotFoundError, match="`gpt-4` does not exist"):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(f"{url}/v1/models/{MODEL}", timeout=10).status_code == 401
+    version = httpx.get(f"{url}/version", timeout=10)
+    assert version.status_code == 200 and version.json()["version"][0].isdigit()
+
+
 def test_completions_match_offline_llm_stream_or_not(served, client):
     _, llm = served
     full = client.completions.create(model=MODEL, prompt=PROMPT, **FAST)
