@@ -539,6 +539,67 @@ def test_a_stream_sends_prompt_logprobs_with_a_choices_first_text(tokenizer):
         assert all("prompt_logprobs" not in c for c in chunks[1:])
 
 
+def test_return_token_ids_shows_each_completions_prompt_and_generated_ids(tokenizer):
+    serving, engine = _serving(tokenizer)
+    prompts = ["Count:", "Then count on:"]
+    fields = dict(prompt=prompts, n=2, max_tokens=4, return_token_ids=True)
+    full = asyncio.run(serving.create_completion(_completion(**fields)))
+    events = _stream(serving.create_completion, _completion(stream=True, **fields))
+    asked = [call["prompt"] for call in engine.calls[:2]]
+    assert asked == [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    streamed = _by_choice(events)
+    for choice in full.choices:
+        prompt_ids = asked[choice.index // 2]
+        assert choice.prompt_token_ids == prompt_ids
+        assert len(choice.token_ids) == 4 and tokenizer.decode(choice.token_ids) == choice.text
+        chunks = streamed[choice.index]
+        assert chunks[0]["prompt_token_ids"] == prompt_ids
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+        assert [t for c in chunks for t in c["token_ids"]] == choice.token_ids
+    plain = asyncio.run(serving.create_completion(_completion(max_tokens=2)))
+    plain_events = _stream(serving.create_completion, _completion(max_tokens=2, stream=True))
+    assert "token_ids" not in plain.model_dump_json()
+    assert not any("token_ids" in json.dumps(e) for e in plain_events)
+
+
+def test_return_token_ids_with_echo_streams_the_prompt_ids_with_the_echo(tokenizer):
+    serving, _ = _serving(tokenizer)
+    fields = dict(echo=True, max_tokens=3, return_token_ids=True)
+    full = asyncio.run(serving.create_completion(_completion(**fields)))
+    (choice,) = full.choices
+    assert choice.prompt_token_ids == tokenizer.encode("Count:", add_special_tokens=False)
+    assert choice.text == "Count:" + tokenizer.decode(choice.token_ids)
+    chunks = _by_choice(_stream(serving.create_completion, _completion(stream=True, **fields)))[0]
+    assert chunks[0]["text"] == "Count:" and chunks[0]["token_ids"] == []
+    assert chunks[0]["prompt_token_ids"] == choice.prompt_token_ids
+    assert [t for c in chunks for t in c["token_ids"]] == choice.token_ids
+    only_prompt = asyncio.run(
+        serving.create_completion(_completion(echo=True, max_tokens=0, return_token_ids=True))
+    )
+    assert only_prompt.choices[0].token_ids == []
+
+
+def test_return_token_ids_on_a_chat_whole_and_streamed(tokenizer):
+    serving, engine = _serving(tokenizer)
+    fields = dict(max_tokens=5, n=2, return_token_ids=True)
+    full = asyncio.run(serving.create_chat_completion(_chat(**fields)))
+    prompt_ids = engine.calls[0]["prompt"]
+    assert full.prompt_token_ids == prompt_ids
+    assert tokenizer.decode(prompt_ids).endswith("assistant\n")
+    events = _stream(serving.create_chat_completion, _chat(stream=True, **fields))
+    chunks = events[:-1]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    for choice in full.choices:
+        assert len(choice.token_ids) == 5
+        assert tokenizer.decode(choice.token_ids) == choice.message.content
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice.index]
+        assert all(isinstance(c["token_ids"], list) for c in mine)
+        assert [t for c in mine for t in c["token_ids"]] == choice.token_ids
+    plain = asyncio.run(serving.create_chat_completion(_chat(max_tokens=2)))
+    assert "token_ids" not in plain.model_dump_json()
+
+
 def test_prompt_logprobs_are_asked_of_the_engine_only_when_shown():
     cases = [
         ({}, None),

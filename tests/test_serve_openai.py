@@ -133,6 +133,23 @@ def test_chat_matches_offline_llm_and_counts_usage(served, client):
     assert usage.completion_tokens == 8 and usage.total_tokens == len(prompt_ids) + 8
 
 
+def test_return_token_ids_give_the_ids_the_engine_computed(served, client):
+    _, llm = served
+    ids = {"return_token_ids": True}
+    offline = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0]
+    full = client.completions.create(model=MODEL, prompt=PROMPT, extra_body=ids, **FAST)
+    assert full.choices[0].prompt_token_ids == offline.prompt_token_ids
+    assert full.choices[0].token_ids == offline.outputs[0].token_ids
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, stream=True, extra_body=ids, **FAST)
+    )
+    assert chunks[0].choices[0].prompt_token_ids == offline.prompt_token_ids
+    assert [t for c in chunks for t in c.choices[0].token_ids] == full.choices[0].token_ids
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, extra_body=ids, **FAST)
+    assert chat.prompt_token_ids == apply_chat_template(llm.get_tokenizer(), CHAT)
+    assert llm.get_tokenizer().decode(chat.choices[0].token_ids) == chat.choices[0].message.content
+
+
 def test_tokenize_counts_what_a_request_computes_and_detokenize_inverts_it(served, client):
     url, _ = served
     completion = client.completions.create(model=MODEL, prompt=PROMPT, **FAST)

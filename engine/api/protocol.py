@@ -191,6 +191,9 @@ class _SamplingFields(_Request):
     """vLLM's: sample only these tokens."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """vLLM's: keep only the prompt's last N tokens (-1: as many as max_model_len allows)."""
+    return_token_ids: bool = False
+    """vLLM's: the prompt's and each choice's token ids beside the text (streamed: the
+    prompt's on the first chunk, each chunk's new tokens)."""
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     """vLLM's: the output follows a JSON schema, a regex, a choice or a grammar."""
@@ -359,19 +362,19 @@ class _OmitsUnasked(_Response):
     def _omit_unasked(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
         for name in self._omitted_when_none:
-            if getattr(self, name) is None:
+            if getattr(self, name, None) is None:
                 data.pop(name, None)
         return data
 
 
-class _WithPromptLogprobs(_OmitsUnasked):
-    """A body with vLLM's prompt_logprobs (a field of the subclass, so that it stays last in
-    the JSON), left out of the JSON unless asked for."""
+class _WithPromptFields(_OmitsUnasked):
+    """A body with vLLM's prompt_logprobs and token ids (fields of the subclass, so that
+    they stay last in the JSON), left out of the JSON unless asked for."""
 
-    _omitted_when_none = ("prompt_logprobs",)
+    _omitted_when_none = ("prompt_logprobs", "prompt_token_ids", "token_ids")
 
 
-class CompletionChoice(_WithPromptLogprobs):
+class CompletionChoice(_WithPromptFields):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -379,6 +382,10 @@ class CompletionChoice(_WithPromptLogprobs):
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     """vLLM's: per prompt token (None for the first), token id -> its logprob, for the prompt
     token and the top-N."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids (streamed: on the choice's first chunk)."""
+    token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids: the generated ids (streamed: those new in the chunk)."""
 
 
 class CompletionResponse(_Response):
@@ -430,14 +437,16 @@ class ChatResponseMessage(_OmitsUnasked):
     _omitted_when_none = ("reasoning", "reasoning_content", "tool_calls")
 
 
-class ChatChoice(_Response):
+class ChatChoice(_WithPromptFields):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids: the generated ids, stop token included."""
 
 
-class ChatCompletionResponse(_WithPromptLogprobs):
+class ChatCompletionResponse(_WithPromptFields):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -446,9 +455,11 @@ class ChatCompletionResponse(_WithPromptLogprobs):
     usage: UsageInfo
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     """vLLM's, as on a completion's choice."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids."""
 
 
-class ChatChunkChoice(_Response):
+class ChatChunkChoice(_WithPromptFields):
     index: int
     delta: dict[str, Any]
     """{"role": "assistant", "content": ""} first, then {"content": ...} (or {"tool_calls":
@@ -457,15 +468,19 @@ class ChatChunkChoice(_Response):
     while the model thinks), then {} with the finish reason."""
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids: the ids generated since the choice's last chunk."""
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(_WithPromptFields):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids: on the stream's first chunk."""
 
 
 class CompletionChunk(_Response):

@@ -50,6 +50,8 @@ class CompletionFormat:
     """echo with max_tokens=0: the prompt alone (the engine still generates one token)."""
     prompt_logprobs: int | None = None
     """vLLM's prompt_logprobs: top-N per prompt token."""
+    return_token_ids: bool = False
+    """vLLM's: each choice shows its prompt's and its generated token ids."""
 
     @property
     def shows_prompt_logprobs(self) -> bool:
@@ -96,6 +98,13 @@ def shown(fmt: CompletionFormat, completion: CompletionOutput) -> CompletionOutp
     )
 
 
+def token_ids_of(asked: bool, output: RequestOutput, completion: CompletionOutput) -> dict:
+    """A choice's vLLM return_token_ids fields: its prompt's ids and its generated ids."""
+    if not asked:
+        return {}
+    return {"prompt_token_ids": output.prompt_token_ids, "token_ids": list(completion.token_ids)}
+
+
 def completion_response(
     response_id: str,
     model: str,
@@ -121,6 +130,7 @@ def completion_response(
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     prompt_logprobs=prompt.prompt_logprobs,
+                    **token_ids_of(fmt.return_token_ids, out, c),
                 )
             )
     return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
@@ -136,10 +146,12 @@ def chat_response(
     prompt_logprobs: int | None = None,
     tools: ToolUse | None = None,
     reasoning: ReasoningUse | None = None,
+    return_token_ids: bool = False,
 ) -> ChatCompletionResponse:
     """`prompt_logprobs`: vLLM's top-N per prompt token, on the response; `tools`: read each
     choice's text for tool calls; `reasoning`: split each choice's text into the model's
-    thought and its content first (the tool calls are read in the content alone)."""
+    thought and its content first (the tool calls are read in the content alone);
+    `return_token_ids`: the prompt's ids on the response, each choice's on the choice."""
     choices = []
     for c in output.outputs:
         logprobs = None
@@ -155,12 +167,23 @@ def chat_response(
                 update={"reasoning": thought, "reasoning_content": thought}
             )
         choices.append(
-            ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=logprobs,
+                finish_reason=finish,
+                token_ids=list(c.token_ids) if return_token_ids else None,
+            )
         )
     shown = None
     if prompt_logprobs is not None:
         ids, entries = output.prompt_token_ids, output.prompt_logprobs
         shown = vllm_prompt_logprobs(ids, entries, token_text, prompt_logprobs)
     return ChatCompletionResponse(
-        id=response_id, model=model, choices=choices, usage=usage, prompt_logprobs=shown
+        id=response_id,
+        model=model,
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=shown,
+        prompt_token_ids=output.prompt_token_ids if return_token_ids else None,
     )

@@ -156,6 +156,7 @@ class OpenAIServing:
             echo=self._echo_texts(request.prompt, prompts, truncated) if request.echo else None,
             echo_only=echo_only(request),
             prompt_logprobs=request.prompt_logprobs,
+            return_token_ids=request.return_token_ids,
         )
         # OpenAI's default of 16 yields to a long prompt (and to the model's own default);
         # an explicit max_tokens does not.
@@ -419,6 +420,7 @@ class OpenAIServing:
                 request.prompt_logprobs,
                 tools,
                 reasoning,
+                request.return_token_ids,
             )
         usage = usage_of(prompt_lens, final, fmt.echo_only)
         return completion_response(response_id, self.model_name, final, usage, self.token_text, fmt)
@@ -449,7 +451,11 @@ class OpenAIServing:
         )
         if fmt is None:
             tracker = ChatDeltaTracker(
-                with_logprobs=request.logprobs, tools=tools, reasoning=reasoning, **common
+                with_logprobs=request.logprobs,
+                tools=tools,
+                reasoning=reasoning,
+                return_token_ids=request.return_token_ids,
+                **common,
             )
         else:
             tracker = CompletionDeltaTracker(fmt=fmt, **common)

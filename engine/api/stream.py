@@ -38,17 +38,29 @@ def sse_error(body: dict) -> str:
 
 
 class _Sent:
-    __slots__ = ("text", "logprobs", "offset", "finished", "started", "prompt_logprobs")
+    __slots__ = (
+        "text",
+        "logprobs",
+        "tokens",
+        "offset",
+        "finished",
+        "started",
+        "prompt_logprobs",
+        "prompt_ids",
+    )
 
     def __init__(self) -> None:
         self.text = 0
         self.logprobs = 0
+        self.tokens = 0
         self.offset = 0
         self.finished = False
         self.started = False
         """A chat's role chunk, or a completion's prompt part (echo, prompt_logprobs), done."""
         self.prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
         """Waiting for the choice's first generated text, to go out with it."""
+        self.prompt_ids: list[int] | None = None
+        """return_token_ids: the prompt's ids, waiting for the choice's first chunk."""
 
 
 class DeltaTracker:
@@ -119,13 +131,21 @@ class DeltaTracker:
             sent.logprobs += len(new)
         return text, new
 
-    def _event(self, choice: ChatChunkChoice | CompletionChoice) -> str:
+    @staticmethod
+    def _new_ids(completion: CompletionOutput, sent: _Sent) -> list[int]:
+        """The generated ids since the choice's last chunk, now counted as sent."""
+        new = completion.token_ids[sent.tokens :]
+        sent.tokens += len(new)
+        return list(new)
+
+    def _event(self, choice: ChatChunkChoice | CompletionChoice, **fields: Any) -> str:
         chunk = self.chunk_cls(
             id=self.response_id,
             created=self.created,
             model=self.model,
             choices=[choice],
             usage=self.usage,
+            **fields,
         )
         # OpenAI sends "usage": null on every chunk only when the client asked for usage.
         exclude = None if self.include_usage else {"usage"}
@@ -146,10 +166,17 @@ class ChatDeltaTracker(DeltaTracker):
         with_logprobs: bool,
         tools: ToolUse | None = None,
         reasoning: ReasoningUse | None = None,
+        return_token_ids: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.with_logprobs = with_logprobs
+        self.return_token_ids = return_token_ids
+        self._prompt_ids: list[int] | None = None
+        """return_token_ids: the prompt's ids, waiting for the stream's first chunk."""
+        self._prompt_ids_sent = False
+        self._ids_of: tuple[CompletionOutput, _Sent] | None = None
+        """The choice whose new token ids the next chunk carries (none for a role chunk)."""
         self.tools = tools
         self.reasoning = reasoning
         self._tool_deltas: dict[int, ToolCallDeltas] = {}
@@ -165,9 +192,14 @@ class ChatDeltaTracker(DeltaTracker):
         sent: _Sent,
     ) -> list[str]:
         events = []
+        self._ids_of = None
+        if self.return_token_ids and not self._prompt_ids_sent:
+            self._prompt_ids_sent = True
+            self._prompt_ids = output.prompt_token_ids
         if not sent.started:
             sent.started = True
             events.append(self._chat_event(index, {"role": "assistant", "content": ""}))
+        self._ids_of = completion, sent
         advanced = self._advance(completion, sent, self.with_logprobs)
         if advanced is None:
             return events
@@ -242,10 +274,19 @@ class ChatDeltaTracker(DeltaTracker):
         logprobs: ChatLogprobs | None = None,
         finish_reason: str | None = None,
     ) -> str:
+        token_ids = None
+        if self.return_token_ids:
+            token_ids = [] if self._ids_of is None else self._new_ids(*self._ids_of)
+        prompt_ids, self._prompt_ids = self._prompt_ids, None
         return self._event(
             ChatChunkChoice(
-                index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
-            )
+                index=index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                token_ids=token_ids,
+            ),
+            prompt_token_ids=prompt_ids,
         )
 
 
@@ -276,8 +317,10 @@ class CompletionDeltaTracker(DeltaTracker):
                 return events
             sent.started = True
             prompt = prompt_part(self.fmt, prompt_index, output, self.token_text)
+            ids = self.fmt.return_token_ids
             if self.fmt.echo is None:
                 sent.prompt_logprobs = prompt.prompt_logprobs
+                sent.prompt_ids = output.prompt_token_ids if ids else None
             else:
                 events.append(
                     self._event(
@@ -286,6 +329,8 @@ class CompletionDeltaTracker(DeltaTracker):
                             text=prompt.text,
                             logprobs=prompt.logprobs,
                             prompt_logprobs=prompt.prompt_logprobs,
+                            prompt_token_ids=output.prompt_token_ids if ids else None,
+                            token_ids=[] if ids else None,
                         )
                     )
                 )
@@ -306,8 +351,10 @@ class CompletionDeltaTracker(DeltaTracker):
             logprobs=logprobs,
             finish_reason=finish,
             prompt_logprobs=sent.prompt_logprobs,
+            prompt_token_ids=sent.prompt_ids,
+            token_ids=self._new_ids(completion, sent) if self.fmt.return_token_ids else None,
         )
         events.append(self._event(choice))
-        sent.prompt_logprobs = None
+        sent.prompt_logprobs = sent.prompt_ids = None
         sent.finished = finish is not None
         return events
