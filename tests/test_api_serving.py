@@ -600,6 +600,30 @@ def test_return_token_ids_on_a_chat_whole_and_streamed(tokenizer):
     assert "token_ids" not in plain.model_dump_json()
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer):
+    serving, _ = _serving(tokenizer)
+    fields = dict(max_tokens=4, logprobs=2, return_tokens_as_token_ids=True, return_token_ids=True)
+    full = asyncio.run(serving.create_completion(_completion(**fields)))
+    (choice,) = full.choices
+    named = [f"token_id:{t}" for t in choice.token_ids]
+    assert choice.logprobs.tokens == named
+    assert all(next(iter(top)) == name for top, name in zip(choice.logprobs.top_logprobs, named))
+    assert choice.text == tokenizer.decode(choice.token_ids)
+    events = _stream(serving.create_completion, _completion(stream=True, **fields))
+    assert [t for c in _by_choice(events)[0] for t in c["logprobs"]["tokens"]] == named
+    chat = asyncio.run(
+        serving.create_chat_completion(
+            _chat(max_tokens=3, logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)
+        )
+    )
+    content = chat.choices[0].logprobs.content
+    assert all(e.token.startswith("token_id:") for e in content)
+    assert [e.bytes for e in content] == [list(e.token.encode()) for e in content]
+    assert [e.top_logprobs[0].token for e in content] == [e.token for e in content]
+    plain = asyncio.run(serving.create_completion(_completion(max_tokens=2, logprobs=1)))
+    assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
+
+
 def test_prompt_logprobs_are_asked_of_the_engine_only_when_shown():
     cases = [
         ({}, None),

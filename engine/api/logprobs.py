@@ -33,6 +33,17 @@ class TokenText:
         return text
 
 
+class TokenIdText(TokenText):
+    """vLLM's return_tokens_as_token_ids: token id -> "token_id:<id>", for tokens whose text
+    is not valid UTF-8 on its own (a byte-level BPE piece of a character)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 def completion_logprobs(
     entries: list[TokenLogprobs],
     token_text: TokenText,

@@ -191,6 +191,8 @@ class _SamplingFields(_Request):
     """vLLM's: sample only these tokens."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """vLLM's: keep only the prompt's last N tokens (-1: as many as max_model_len allows)."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name tokens "token_id:<id>" instead of by their text."""
     return_token_ids: bool = False
     """vLLM's: the prompt's and each choice's token ids beside the text (streamed: the
     prompt's on the first chunk, each chunk's new tokens)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api.inputs import chat_messages, check_prompt, echo_only, to_sampling_params
-from engine.api.logprobs import TokenText
+from engine.api.logprobs import TokenIdText, TokenText
 from engine.api.output_streams import loop_deadline, merge_streams, next_output
 from engine.api.protocol import (
     APIError,
@@ -254,6 +254,10 @@ class OpenAIServing:
             )
         return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
 
+    def _token_text(self, request: CompletionRequest | ChatCompletionRequest) -> TokenText:
+        """How the request's logprobs name tokens: by text, or by id when it asks so."""
+        return TokenIdText() if request.return_tokens_as_token_ids else self.token_text
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
@@ -415,7 +419,7 @@ class OpenAIServing:
                 self.model_name,
                 final[0],
                 usage,
-                self.token_text,
+                self._token_text(request),
                 request.logprobs,
                 request.prompt_logprobs,
                 tools,
@@ -423,7 +427,8 @@ class OpenAIServing:
                 request.return_token_ids,
             )
         usage = usage_of(prompt_lens, final, fmt.echo_only)
-        return completion_response(response_id, self.model_name, final, usage, self.token_text, fmt)
+        token_text = self._token_text(request)
+        return completion_response(response_id, self.model_name, final, usage, token_text, fmt)
 
     def _stream(
         self,
@@ -447,7 +452,7 @@ class OpenAIServing:
             model=self.model_name,
             n=request.n,
             include_usage=include_usage,
-            token_text=self.token_text,
+            token_text=self._token_text(request),
         )
         if fmt is None:
             tracker = ChatDeltaTracker(
