@@ -38,7 +38,7 @@ class TokenIdText(TokenText):
     is not valid UTF-8 on its own (a byte-level BPE piece of a character)."""
 
     def __init__(self) -> None:
-        pass
+        super().__init__(None)
 
     def __call__(self, token_id: int) -> str:
         return f"token_id:{token_id}"
