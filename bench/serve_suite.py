@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         "in turns, prompt by prompt (bench/serve.py --paired-in-process); both engines hold "
         "the GPU at once, so give --serve-arg gpu_memory_utilization=0.4",
     )
+    parser.add_argument(
+        "--label-suffix",
+        default="",
+        help="appended to every run's label (a setting outside the app's keys, e.g. of the node)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny loads (a smoke test)")
     parser.add_argument("--ready-timeout-s", type=float, default=900)
     parser.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
@@ -181,6 +186,7 @@ def _run(args, label: str, seed: int, load_args: list[str], tokenizer: str, targ
     if args.quick:
         load_args = _shrunk(load_args)
         input_len, output_len = min(input_len, 32), min(output_len, 8)
+    label += args.label_suffix
     argv = [
         *target,
         "--tokenizer", tokenizer,

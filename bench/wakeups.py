@@ -1,0 +1,97 @@
+"""What a request's steps cost right after the machine was idle, against back to back.
+
+    python -m bench.wakeups [--record]
+
+A request at concurrency 1 arrives after its predecessor's whole decode: every process on
+its path has been asleep, and in a virtual machine a sleeping vCPU may have been halted.
+This measures, for idle gaps of 0 (back to back), 50 ms and 600 ms (one 128-token
+decode): the round trip of a small message between two processes over a pipe (one hop
+each way, as between a replica and its engine process), and the encoding of a 1,024-word
+prompt with the benchmark tokenizer. Medians, with the CPU's idle driver and governor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import emit
+
+GAPS_S = (0.0, 0.05, 0.6)
+
+
+def _echo(conn) -> None:
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        conn.send(message)
+
+
+def _timed(step, gap_s: float, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        if gap_s:
+            time.sleep(gap_s)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return "absent"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--record", action="store_true")
+    args = parser.parse_args(argv)
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    echo = ctx.Process(target=_echo, args=(child,), daemon=True)
+    echo.start()
+    payload = b"x" * 256
+
+    def round_trip() -> None:
+        conn.send(payload)
+        conn.recv()
+
+    from bench.word_tokenizer import write_word_tokenizer
+    from engine.tokenizer import encode_text, load_tokenizer
+
+    tokenizer = load_tokenizer(write_word_tokenizer(Path(tempfile.mkdtemp()) / "tok"))
+    rng = random.Random(0)
+    text = " ".join(f"t{rng.randrange(128256)}" for _ in range(1024))
+
+    result: dict = {
+        "bench": "wakeups",
+        "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
+        "cpuidle_governor": _read("/sys/devices/system/cpu/cpuidle/current_governor_ro"),
+        "cpus": multiprocessing.cpu_count(),
+    }
+    for _ in range(50):  # warm both
+        round_trip()
+        encode_text(tokenizer, text)
+    for gap in GAPS_S:
+        repeats = 300 if gap == 0 else (60 if gap < 0.5 else 20)
+        name = f"{round(gap * 1000)}ms"
+        result[f"pipe_round_trip_us_after_{name}"] = _timed(round_trip, gap, repeats)
+        step = lambda: encode_text(tokenizer, text)  # noqa: E731
+        result[f"encode_1024_words_us_after_{name}"] = _timed(step, gap, repeats)
+    conn.send(None)
+    echo.join(5)
+    emit(result, args.record)
+
+
+if __name__ == "__main__":
+    main()
