@@ -13,7 +13,9 @@
 #          C1_PATHS=1 adds concurrency 1 past HAProxy and without Serve's disconnect watcher;
 #          C1_PAIRED=1 adds concurrency 1 through Serve and in process in turns, prompt by
 #          prompt, both engines on the GPU at gpu_memory_utilization 0.4;
-#          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls)
+#          C1_BLOCK=N with it: N prompts a turn, the steady ones reported apart;
+#          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls;
+#          KEEP_AWAKE=1 runs bench.keep_awake (a SCHED_IDLE loop on every CPU) meanwhile)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
 #          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
@@ -23,6 +25,7 @@
 # decode-caps: in process, llama3-8b, Poisson 16 req/s (two seeds) and 500 at once with
 #          max_prefill_tokens_with_decodes 0 (off), 512 and 1024 (or $DECODE_CAPS)
 # wakeups: bench.wakeups (a pipe round trip and a prompt's encoding after idle gaps)
+# wakeups-awake: the same with bench.keep_awake's loops on every CPU
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # tp-nosp: the TP=2 1000 x 1024/128 run with sequence parallel off (all-reduce only)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
@@ -49,7 +52,9 @@ keys = ("bench", "workload", "label", "serve_ready_s", "ms_per_token", "roofline
         "output_tok_s", "total_tok_s", "baseline_output_tok_s", "p50_ttft_ms", "p99_ttft_ms",
         "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "total_token_throughput", "startup_s",
         "slowest_ttft_ms_at_s", "mean_ttft_ms", "in_process_mean_ttft_ms", "added_mean_ttft_ms",
-        "added_p50_ttft_ms", "added_mean_ttft_ci95_ms")
+        "added_p50_ttft_ms", "added_mean_ttft_ci95_ms", "server_mean_ttft_steady_ms",
+        "in_process_mean_ttft_steady_ms", "added_mean_ttft_steady_ms",
+        "added_mean_ttft_steady_ci95_ms")
 for line in sys.stdin:
     if line.startswith("{"):
         d = json.loads(line)
@@ -98,6 +103,7 @@ for s in "$@"; do
         stage allreduce-shared 120 python -m bench.allreduce --shared-devices
         cat "$out"/allreduce-*.log ;;
     wakeups) stage wakeups 120 python -m bench.wakeups --record ;;
+    wakeups-awake) stage wakeups-awake 120 python -m bench.wakeups --keep-awake --record ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
@@ -127,8 +133,16 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         [ -n "${SERVE_LOADS:-}" ] && extra+=(--only $SERVE_LOADS)
         [ -n "${C1_PATHS:-}" ] && extra+=(--c1-paths)
         [ -n "${C1_PAIRED:-}" ] && extra+=(--c1-paired --serve-arg gpu_memory_utilization=0.4)
+        [ -n "${C1_BLOCK:-}" ] && extra+=(--c1-paired-block "$C1_BLOCK")
+        awake=""
+        if [ -n "${KEEP_AWAKE:-}" ]; then
+            python -m bench.keep_awake >"$out/keep-awake.log" 2>&1 &
+            awake=$!
+            extra+=(--label-suffix +keep_awake)
+        fi
         stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
+        [ -n "$awake" ] && { kill -TERM "$awake"; wait "$awake"; }
         unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY \
             KVRAY_HAPROXY_BUSY_POLLING RAY_SERVE_HAPROXY_NBTHREAD
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;
