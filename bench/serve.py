@@ -15,7 +15,10 @@ cost of the Serve + HTTP path is the difference between two runs of this script.
 --paired-in-process MODEL (one request at a time) sends every prompt both ways in turns,
 server and engine alternating which goes first, and reports that difference request by
 request: on a machine whose CPUs change speed from minute to minute (a virtual machine's
-often do), two runs minutes apart differ by more than the path's cost.
+often do), two runs minutes apart differ by more than the path's cost. With --paired-block
+N the turns take N prompts each: a block's first request comes after the other path's
+block (its processes idle meanwhile), the others back to back after one of their own, as
+requests at a steady concurrency 1 come; both kinds are reported apart.
 
 Prompts: random token ids of the requested lengths (--dataset random, lengths uniform in
 len * [1 - ratio, 1 + ratio]) or a ShareGPT-like lognormal mix (--dataset lognormal).
@@ -257,11 +260,12 @@ async def run(
 
 async def run_paired(
     args: argparse.Namespace, requests: list[tuple[Any, int, int]], engine: Any
-) -> tuple[list[RequestResult], list[RequestResult], float]:
-    """Each request to the server and to the in-process engine, one after the other, in the
-    order server-engine, engine-server, engine-server, server-engine, ... (ABBA), so that a
-    drift of the machine's speed and whatever one path leaves behind for the next fall on
-    both alike. Returns (server results, engine results, duration)."""
+) -> tuple[list[RequestResult], list[RequestResult], list[bool], float]:
+    """Each block of --paired-block requests to the server and to the in-process engine,
+    one path after the other, in the order server-engine, engine-server, engine-server,
+    server-engine, ... (ABBA), so that a drift of the machine's speed and whatever one
+    path leaves behind for the next fall on both alike. Returns (server results, engine
+    results, whether each request followed one of its own path, duration)."""
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
     headers = dict(args.header)
     if args.api_key:
@@ -273,36 +277,69 @@ async def run_paired(
         if args.model is None:
             async with session.get(args.base_url + "/v1/models") as response:
                 args.model = (await response.json())["data"][0]["id"]
-        for k, request in enumerate(requests):
-            if k % 4 in (0, 3):
-                served.append(await send(session, args, *request))
-                local.append(await send_in_process(engine, args, *request))
-            else:
-                local.append(await send_in_process(engine, args, *request))
-                served.append(await send(session, args, *request))
-    return served, local, time.perf_counter() - start
+        size = args.paired_block
+        for k in range(0, len(requests), size):
+            block = requests[k : k + size]
+            server_first = (k // size) % 4 in (0, 3)
+            for path in ("server", "engine") if server_first else ("engine", "server"):
+                for request in block:
+                    if path == "server":
+                        served.append(await send(session, args, *request))
+                    else:
+                        local.append(await send_in_process(engine, args, *request))
+    followed_own = [k % args.paired_block > 0 for k in range(len(requests))]
+    return served, local, followed_own, time.perf_counter() - start
 
 
-def paired_difference(served: list[RequestResult], local: list[RequestResult]) -> dict:
-    """The in-process figures and what the server path added, pair by pair (both done)."""
+def paired_difference(
+    served: list[RequestResult], local: list[RequestResult], followed_own: list[bool]
+) -> dict:
+    """The in-process figures and what the server path added, pair by pair (both done);
+    with blocks, also over the pairs whose requests each followed one of their own path
+    (`*_steady_*`)."""
     pairs = [(s, x) for s, x in zip(served, local, strict=True) if s.ok and x.ok]
-    out: dict[str, Any] = {"paired_requests": len(pairs)}
+    out = _paired_figures(pairs, "")
+    if any(followed_own):
+        steady = [
+            (s, x)
+            for s, x, own in zip(served, local, followed_own, strict=True)
+            if own and s.ok and x.ok
+        ]
+        out |= _paired_figures(steady, "_steady")
+    return out
+
+
+def _paired_figures(pairs: list[tuple[RequestResult, RequestResult]], kind: str) -> dict:
+    out: dict[str, Any] = {f"paired{kind}_requests": len(pairs)}
     if not pairs:
         return out
-    ttft = np.array([x.ttft_s for _, x in pairs]) * 1000
-    added = np.array([s.ttft_s - x.ttft_s for s, x in pairs]) * 1000
-    out["in_process_mean_ttft_ms"] = round(float(ttft.mean()), 3)
-    out["in_process_p50_ttft_ms"] = round(float(np.median(ttft)), 3)
+    out |= _added_ttft(
+        np.array([s.ttft_s for s, _ in pairs]) * 1000,
+        np.array([x.ttft_s for _, x in pairs]) * 1000,
+        kind,
+    )
+    if kind:
+        return out
     tpot = [x.tpot_s for _, x in pairs if x.tpot_s is not None]
     if tpot:
         out["in_process_mean_tpot_ms"] = round(float(np.mean(tpot)) * 1000, 3)
-    out["added_mean_ttft_ms"] = round(float(added.mean()), 3)
-    out["added_p50_ttft_ms"] = round(float(np.median(added)), 3)
+    return out
+
+
+def _added_ttft(served_ms: np.ndarray, local_ms: np.ndarray, kind: str) -> dict:
+    added = served_ms - local_ms
+    out = {
+        f"server_mean_ttft{kind}_ms": round(float(served_ms.mean()), 3),
+        f"in_process_mean_ttft{kind}_ms": round(float(local_ms.mean()), 3),
+        f"in_process_p50_ttft{kind}_ms": round(float(np.median(local_ms)), 3),
+        f"added_mean_ttft{kind}_ms": round(float(added.mean()), 3),
+        f"added_p50_ttft{kind}_ms": round(float(np.median(added)), 3),
+    }
     # A bootstrap 95 % interval of the mean added TTFT (fixed seed: the same data, the
     # same interval).
     rng = np.random.default_rng(0)
     means = added[rng.integers(0, len(added), size=(2000, len(added)))].mean(axis=1)
-    out["added_mean_ttft_ci95_ms"] = [
+    out[f"added_mean_ttft{kind}_ci95_ms"] = [
         round(float(np.percentile(means, 2.5)), 3),
         round(float(np.percentile(means, 97.5)), 3),
     ]
@@ -460,6 +497,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --max-concurrency 1: every prompt to --base-url and to kvray's engine in "
         "this process, in turns; reports what the server path added, pair by pair",
     )
+    p.add_argument(
+        "--paired-block",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --paired-in-process: N prompts a turn (the first of each after the other "
+        "path's turn, the rest back to back); figures of the rest apart as *_steady_*",
+    )
     return p
 
 
@@ -480,6 +525,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> dict:
         raise SystemExit("give --in-process or --paired-in-process, not both")
     if args.paired_in_process and (args.max_concurrency != 1 or args.request_rate != float("inf")):
         raise SystemExit("--paired-in-process sends one request at a time: --max-concurrency 1")
+    if args.paired_block < 1:
+        raise SystemExit("--paired-block must be >= 1")
     requests = make_requests(args, tokenizer)
     paired = {}
     if engine_model:
@@ -490,8 +537,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> dict:
         )
         try:
             if args.paired_in_process:
-                results, local, _ = asyncio.run(run_paired(args, requests, engine))
-                paired = paired_difference(results, local)
+                results, local, followed_own, _ = asyncio.run(run_paired(args, requests, engine))
+                paired = paired_difference(results, local, followed_own)
                 # The server's own time: its requests ran back to back with the engine's.
                 duration_s = sum(r.e2e_s for r in results) or 1e-9
             else:

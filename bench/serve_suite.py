@@ -51,8 +51,9 @@ IN_PROCESS_LOADS = ["concurrency1", "concurrency32", "concurrency32-repeat"]
 # --c1-paths: concurrency 1 again, in turns, along shorter paths into the same replica:
 # straight to the ingress replica's own HTTP port (past HAProxy), and with Serve's
 # per-request disconnect watcher off (a client header turns it off). Each its own seed.
-# --c1-paired: concurrency 1 through Serve and in process in turns, prompt by prompt.
-C1_PAIRED_LOAD = ["--num-prompts", "60", "--max-concurrency", "1"]
+# --c1-paired: concurrency 1 through Serve and in process in turns, prompt by prompt (or
+# --c1-paired-block prompts a turn: eight turns each way).
+C1_PAIRED_PROMPTS = 60
 C1_PATHS = [  # (label, straight to the replica, headers)
     ("concurrency1-haproxy", False, {}),
     ("concurrency1-direct", True, {}),
@@ -92,6 +93,14 @@ def main(argv: list[str] | None = None) -> None:
         help="after the Serve loads, concurrency 1 to Serve and to an engine in this process "
         "in turns, prompt by prompt (bench/serve.py --paired-in-process); both engines hold "
         "the GPU at once, so give --serve-arg gpu_memory_utilization=0.4",
+    )
+    parser.add_argument(
+        "--c1-paired-block",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--c1-paired's turns take N prompts each (bench/serve.py --paired-block): "
+        "eight turns a path",
     )
     parser.add_argument(
         "--label-suffix",
@@ -144,7 +153,12 @@ def _run_serve(
             # The engine in this process shares the GPU with the replica's: give both
             # gpu_memory_utilization (e.g. 0.4) in --serve-arg.
             target = ["--base-url", SERVE_URL, "--paired-in-process", args.model, *engine_items]
-            _run(args, "concurrency1-paired" + suffix, 41, C1_PAIRED_LOAD, tokenizer, target)
+            block = args.c1_paired_block
+            label = "concurrency1-paired" + (f"-block{block}" if block > 1 else "")
+            prompts = C1_PAIRED_PROMPTS if block == 1 else 8 * block
+            load = ["--num-prompts", str(prompts), "--max-concurrency", "1"]
+            load += ["--paired-block", str(block)]
+            _run(args, label + suffix, 41, load, tokenizer, target)
     finally:
         _stop(server)
 

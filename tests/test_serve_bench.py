@@ -199,11 +199,53 @@ def test_paired_run_sends_every_prompt_both_ways_and_reports_the_difference(base
     assert low <= added <= high
 
 
+def test_paired_blocks_alternate_abba_and_report_the_steady_requests_apart(monkeypatch):
+    """Blocks of 2: server-engine, engine-server, engine-server, server-engine; the second
+    request of each block followed one of its own path, and only those make *_steady_*."""
+    order = []
+
+    def recording(path):
+        async def send(*args):
+            prompt = args[-3]
+            order.append((path, prompt))
+            result = bench.RequestResult(ok=True, prompt_len=1)
+            result.ttft_s = 0.010
+            return result
+
+        return send
+
+    monkeypatch.setattr(bench, "send", recording("server"))
+    monkeypatch.setattr(bench, "send_in_process", recording("engine"))
+    args = bench.build_parser().parse_args(
+        ["--model", "m", "--max-concurrency", "1", "--paired-block", "2"]
+    )
+    requests = [(k, 1, 1) for k in range(8)]
+    served, local, followed_own, _ = asyncio.run(bench.run_paired(args, requests, None))
+    assert order == [
+        ("server", 0), ("server", 1), ("engine", 0), ("engine", 1),
+        ("engine", 2), ("engine", 3), ("server", 2), ("server", 3),
+        ("engine", 4), ("engine", 5), ("server", 4), ("server", 5),
+        ("server", 6), ("server", 7), ("engine", 6), ("engine", 7),
+    ]  # fmt: skip
+    assert followed_own == [False, True] * 4
+    # The server adds 1 ms to a block's first request and 3 ms to the others.
+    for k, result in enumerate(served):
+        result.ttft_s += 0.003 if followed_own[k] else 0.001
+    figures = bench.paired_difference(served, local, followed_own)
+    assert figures["paired_requests"] == 8 and figures["paired_steady_requests"] == 4
+    assert figures["added_mean_ttft_ms"] == pytest.approx(2.0)
+    assert figures["added_mean_ttft_steady_ms"] == pytest.approx(3.0)
+    assert figures["server_mean_ttft_steady_ms"] == pytest.approx(13.0)
+    assert figures["added_mean_ttft_steady_ci95_ms"] == pytest.approx([3.0, 3.0])
+
+
 def test_a_paired_run_is_one_request_at_a_time():
     with pytest.raises(SystemExit, match="--max-concurrency 1"):
         bench.main(["--paired-in-process", "tiny-llama", "--max-concurrency", "4"])
     with pytest.raises(SystemExit, match="not both"):
         bench.main(["--paired-in-process", "m", "--in-process", "m", "--max-concurrency", "1"])
+    with pytest.raises(SystemExit, match="--paired-block"):
+        bench.main(["--paired-in-process", "m", "--max-concurrency", "1", "--paired-block", "0"])
 
 
 def test_engine_args_parse_as_json_where_they_can():
