@@ -185,13 +185,13 @@ class AsyncEngine:
     def model_name(self) -> str:
         return self.engine.model_name if self.in_process else self._info["model_name"]
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt text -> token ids, exactly as the engine tokenizes a text prompt."""
         if self.in_process:
-            return self.engine.encode(prompt)
+            return self.engine.encode(prompt, add_special_tokens)
         if self._tokenizer is None:
             raise ValueError("this model has no tokenizer: pass the prompt as token ids")
-        return encode_text(self._tokenizer, prompt)
+        return encode_text(self._tokenizer, prompt, add_special_tokens)
 
     @property
     def max_model_len(self) -> int:

@@ -183,10 +183,12 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids, with the tokenizer's special tokens (a Llama 3's BOS) as
+        vLLM tokenizes prompts; a tokenizer without a post-processor adds none."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass the prompt as token ids")
-        return encode_text(self.tokenizer, prompt)
+        return encode_text(self.tokenizer, prompt, add_special_tokens)
 
     def add_request(
         self,

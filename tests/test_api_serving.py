@@ -66,8 +66,8 @@ class ScriptedEngine:
         self.num_requests = 0
         self.num_token_steps = 0
 
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None):
         self.calls.append(
@@ -973,7 +973,7 @@ def test_long_prompts_tokenize_while_the_event_loop_streams_other_requests(token
         return ids
 
     class SlowTokenizing(ScriptedEngine):
-        def encode(self, prompt: str) -> list[int]:
+        def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
             return after_the_loop_ran(super().encode("Count:"))
 
     monkeypatch.setattr(
@@ -1019,7 +1019,7 @@ def test_a_long_prompt_with_nothing_else_in_flight_tokenizes_without_a_thread_ho
     threads = []
 
     class Recording(ScriptedEngine):
-        def encode(self, prompt: str) -> list[int]:
+        def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
             threads.append(threading.current_thread())
             return super().encode("Count:")
 

@@ -73,8 +73,8 @@ class TextEngine:
         self.calls: list[dict] = []
         self.num_requests = 0
 
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None):
         self.calls.append(dict(prompt=prompt, params=sampling_params))

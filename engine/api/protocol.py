@@ -197,9 +197,9 @@ class _SamplingFields(_Request):
     """vLLM's: the prompt's and each choice's token ids beside the text (streamed: the
     prompt's on the first chunk, each chunk's new tokens)."""
     response_format: ResponseFormat | None = None
+    """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
     structured_outputs: StructuredOutputsParams | None = None
     """vLLM's: the output follows a JSON schema, a regex, a choice or a grammar."""
-    """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
 
 
 class CompletionRequest(_SamplingFields):
@@ -212,6 +212,8 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each choice carries the top-N logprobs of every prompt token."""
+    add_special_tokens: bool = True
+    """vLLM's: a text prompt gets the tokenizer's special tokens (a Llama 3's BOS)."""
 
 
 class TextContentPart(_Request):
@@ -296,6 +298,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: extra variables for the chat template (e.g. Qwen3's `enable_thinking`),
     over the server's default_chat_template_kwargs."""
+    add_special_tokens: bool = False
+    """vLLM's: the tokenizer's special tokens on top of what the chat template writes
+    (most templates write the BOS themselves)."""
 
 
 class TokenizeRequest(_Request):
@@ -311,6 +316,8 @@ class TokenizeRequest(_Request):
     """vLLM's: the model continues the last message (with add_generation_prompt false)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """As a chat's: extra variables for the chat template."""
+    add_special_tokens: bool | None = None
+    """As the endpoint's: None is true for a prompt, false for messages."""
     return_token_strs: bool = False
 
 

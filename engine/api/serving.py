@@ -186,7 +186,8 @@ class OpenAIServing:
                 "prompt_logprobs come with a whole response: not with stream=true",
                 param="prompt_logprobs",
             )
-        ids = self._checked_prompt(await self._apply_chat_template(request), request, "messages")
+        ids = await self._apply_chat_template(request, request.add_special_tokens)
+        ids = self._checked_prompt(ids, request, "messages")
         tools = tool_use(request, self.tool_parser, self.enable_auto_tool_choice, self.tokenizer)
         reasoning = reasoning_use(
             self.reasoning_parser, self.tokenizer, ids, self._reasoning_end_ids
@@ -230,12 +231,15 @@ class OpenAIServing:
                 "give either prompt (tokenized as a completion's) or messages (as a chat's)",
                 param="prompt",
             )
+        special = request.add_special_tokens
         if request.messages is not None:
-            ids = await self._apply_chat_template(request)
+            ids = await self._apply_chat_template(request, bool(special))
         elif self.tokenizer is None:
             raise APIError("this model has no tokenizer", param="prompt")
         else:
-            ids = await self._tokenize(len(request.prompt), self.engine.encode, request.prompt)
+            ids = await self._tokenize(
+                len(request.prompt), self.engine.encode, request.prompt, special is not False
+            )
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
@@ -273,12 +277,13 @@ class OpenAIServing:
             raise APIError(
                 "this model has no tokenizer: send the prompt as token ids", param="prompt"
             )
+        special = request.add_special_tokens
         if isinstance(prompt, str):
-            return [await self._tokenize(len(prompt), self.engine.encode, prompt)]
+            return [await self._tokenize(len(prompt), self.engine.encode, prompt, special)]
         if not prompt:
             raise APIError("prompt must not be empty", param="prompt")
         if isinstance(prompt[0], str):
-            encoded = [self._tokenize(len(p), self.engine.encode, p) for p in prompt]
+            encoded = [self._tokenize(len(p), self.engine.encode, p, special) for p in prompt]
             return list(await asyncio.gather(*encoded))
         if isinstance(prompt[0], int):
             return [list(prompt)]
@@ -319,7 +324,7 @@ class OpenAIServing:
         return [self.tokenizer.decode(p) for p in ids]
 
     async def _apply_chat_template(
-        self, request: ChatCompletionRequest | TokenizeRequest
+        self, request: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool
     ) -> list[int]:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
@@ -348,6 +353,7 @@ class OpenAIServing:
                 template_tools(request.tools),
                 template_kwargs,
                 self.chat_template,
+                add_special_tokens,
             )
         except ChatInputError as e:
             raise APIError(str(e), param=e.field) from None
