@@ -14,6 +14,7 @@
 #          C1_PAIRED=1 adds concurrency 1 through Serve and in process in turns, prompt by
 #          prompt, both engines on the GPU at gpu_memory_utilization 0.4;
 #          C1_BLOCK=N with it: N prompts a turn, the steady ones reported apart;
+#          C1_PAIRED_DIRECT=1 with it: the paired run again past HAProxy (to the replica);
 #          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls;
 #          KEEP_AWAKE=1 runs bench.keep_awake (a SCHED_IDLE loop on every CPU) meanwhile)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
@@ -134,6 +135,7 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         [ -n "${C1_PATHS:-}" ] && extra+=(--c1-paths)
         [ -n "${C1_PAIRED:-}" ] && extra+=(--c1-paired --serve-arg gpu_memory_utilization=0.4)
         [ -n "${C1_BLOCK:-}" ] && extra+=(--c1-paired-block "$C1_BLOCK")
+        [ -n "${C1_PAIRED_DIRECT:-}" ] && extra+=(--c1-paired-direct)
         awake=""
         if [ -n "${KEEP_AWAKE:-}" ]; then
             python -m bench.keep_awake >"$out/keep-awake.log" 2>&1 &

@@ -95,6 +95,12 @@ def main(argv: list[str] | None = None) -> None:
         "the GPU at once, so give --serve-arg gpu_memory_utilization=0.4",
     )
     parser.add_argument(
+        "--c1-paired-direct",
+        action="store_true",
+        help="--c1-paired again, straight to the ingress replica's own HTTP port (past "
+        "HAProxy): what HAProxy's hop adds",
+    )
+    parser.add_argument(
         "--c1-paired-block",
         type=int,
         default=1,
@@ -152,13 +158,18 @@ def _run_serve(
         if args.c1_paired:
             # The engine in this process shares the GPU with the replica's: give both
             # gpu_memory_utilization (e.g. 0.4) in --serve-arg.
-            target = ["--base-url", SERVE_URL, "--paired-in-process", args.model, *engine_items]
             block = args.c1_paired_block
             label = "concurrency1-paired" + (f"-block{block}" if block > 1 else "")
             prompts = C1_PAIRED_PROMPTS if block == 1 else 8 * block
             load = ["--num-prompts", str(prompts), "--max-concurrency", "1"]
             load += ["--paired-block", str(block)]
-            _run(args, label + suffix, 41, load, tokenizer, target)
+            urls = [("", SERVE_URL)]
+            port = _replica_http_port(workdir / "serve.log") if args.c1_paired_direct else None
+            if port is not None:
+                urls.append(("-direct", f"http://127.0.0.1:{port}"))
+            for path, url in urls:
+                target = ["--base-url", url, "--paired-in-process", args.model, *engine_items]
+                _run(args, label + path + suffix, 41, load, tokenizer, target)
     finally:
         _stop(server)
 
