@@ -163,13 +163,14 @@ def _run_serve(
             prompts = C1_PAIRED_PROMPTS if block == 1 else 8 * block
             load = ["--num-prompts", str(prompts), "--max-concurrency", "1"]
             load += ["--paired-block", str(block)]
-            urls = [("", SERVE_URL)]
+            # Each run its own seed: prompts the replica has seen come from its prefix cache.
+            urls = [("", SERVE_URL, 41)]
             port = _replica_http_port(workdir / "serve.log") if args.c1_paired_direct else None
             if port is not None:
-                urls.append(("-direct", f"http://127.0.0.1:{port}"))
-            for path, url in urls:
+                urls.append(("-direct", f"http://127.0.0.1:{port}", 42))
+            for path, url, seed in urls:
                 target = ["--base-url", url, "--paired-in-process", args.model, *engine_items]
-                _run(args, label + path + suffix, 41, load, tokenizer, target)
+                _run(args, label + path + suffix, seed, load, tokenizer, target)
     finally:
         _stop(server)
 
