@@ -841,6 +841,21 @@ def test_priority_never_beats_the_tenant_and_salt_passes_through(tokenizer):
     assert {c["cache_salt"] for c in engine.calls} == {"tenant-a"}
 
 
+def test_a_request_s_cache_salt_splits_its_tenant_s_cache_and_never_reaches_another_s(
+    tokenizer,
+):
+    serving, engine = _serving(tokenizer)
+    for tenant, salt in [("a", "x"), ("a", "x"), ("a", "y"), ("b", "x"), (None, "x")]:
+        request = _completion(prompt="Hi", max_tokens=1, cache_salt=salt)
+        asyncio.run(serving.create_completion(request, RequestContext(cache_salt=tenant)))
+    salts = [c["cache_salt"] for c in engine.calls]
+    assert salts[0] == salts[1]
+    assert len(set(salts[1:])) == 4
+    assert not {"a", "b", "x", "y", None} & set(salts)
+    with pytest.raises(ValidationError, match="cache_salt"):
+        _completion(prompt="Hi", cache_salt="")
+
+
 def test_deadline_aborts_a_slow_request(tokenizer):
     import time
 

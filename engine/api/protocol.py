@@ -187,6 +187,9 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int | None = None
     """Scheduling priority (lower runs first); never more urgent than the tenant's own."""
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """vLLM's: the prompt's cached blocks are shared only with requests of the same salt
+    (within the tenant's own)."""
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     """vLLM's: sample only these tokens."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)

@@ -18,7 +18,13 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.api.inputs import chat_messages, check_prompt, echo_only, to_sampling_params
+from engine.api.inputs import (
+    chat_messages,
+    check_prompt,
+    echo_only,
+    prefix_cache_salt,
+    to_sampling_params,
+)
 from engine.api.logprobs import TokenIdText, TokenText
 from engine.api.output_streams import loop_deadline, merge_streams, next_output
 from engine.api.protocol import (
@@ -388,8 +394,9 @@ class OpenAIServing:
         chat = fmt is None
         response_id = ctx.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         priority = ctx.priority if request.priority is None else max(ctx.priority, request.priority)
+        salt = prefix_cache_salt(ctx.cache_salt, request.cache_salt)
         gens = [
-            self.engine.generate(ids, sp, f"{response_id}-{i}", priority, ctx.cache_salt)
+            self.engine.generate(ids, sp, f"{response_id}-{i}", priority, salt)
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         deadline = loop_deadline(ctx.deadline)
