@@ -122,6 +122,9 @@ class ServeOptions(BaseModel):
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """vLLM's: variables for every chat template render (e.g. {"enable_thinking": false}); a
     request's chat_template_kwargs override them."""
+    enable_prompt_tokens_details: bool = False
+    """vLLM's: usage carries OpenAI's prompt_tokens_details.cached_tokens (the prompt
+    tokens the prefix cache served)."""
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeOptions:
@@ -229,6 +232,7 @@ PER_MODEL_SERVE_KEYS = frozenset(
         "reasoning_parser",
         "chat_template",
         "default_chat_template_kwargs",
+        "enable_prompt_tokens_details",
     }
 )
 PER_MODEL_KEYS = ENGINE_KEYS | PER_MODEL_SERVE_KEYS

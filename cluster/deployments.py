@@ -99,6 +99,7 @@ class EngineHost:
             reasoning_parser=config.reasoning_parser,
             chat_template=config.chat_template,
             default_chat_template_kwargs=config.default_chat_template_kwargs,
+            enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         )
         sink = RayMetricsSink()
         self.engine.enable_metrics(sink)

@@ -38,6 +38,7 @@ ARGS = {
     "{% endfor %}<|im_start|>assistant\n<think>\n{% if not enable_thinking %}\n</think>\n\n"
     "{% endif %}",
     "default_chat_template_kwargs": {"enable_thinking": True},
+    "enable_prompt_tokens_details": True,
 }
 PROMPT = "The capital of France is"
 HEADERS = {"Authorization": "Bearer key-a"}
@@ -150,3 +151,15 @@ def test_reasoning_and_the_chat_template_keys_reach_the_replica(served):
     bad = httpx.post(chat, json=refused, headers=HEADERS, timeout=60)
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
+
+
+def test_usage_shows_the_prompt_tokens_the_replica_s_cache_served(served):
+    url, _ = served
+    prompt = "A long way from here, " * 8  # several full blocks, sent by no other test
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    usages = [
+        httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=60).json()["usage"]
+        for _ in range(2)
+    ]
+    assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 0 < usages[1]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens"]

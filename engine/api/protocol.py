@@ -340,12 +340,6 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
-class UsageInfo(_Response):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
 class CompletionLogprobs(_Response):
     """An echoed prompt's first token has no logprob: null in token_logprobs and top_logprobs."""
 
@@ -377,6 +371,21 @@ class _OmitsUnasked(_Response):
             if getattr(self, name, None) is None:
                 data.pop(name, None)
         return data
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+
+
+class UsageInfo(_OmitsUnasked):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """OpenAI's; on a server started with enable_prompt_tokens_details (vLLM's key)."""
+
+    _omitted_when_none = ("prompt_tokens_details",)
 
 
 class _WithPromptFields(_OmitsUnasked):

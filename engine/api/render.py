@@ -20,6 +20,7 @@ from engine.api.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     PromptLogprob,
+    PromptTokensDetails,
     UsageInfo,
 )
 from engine.api.reasoning import ReasoningUse
@@ -29,12 +30,23 @@ from engine.outputs import CompletionOutput, RequestOutput
 
 
 def usage_of(
-    prompt_lens: list[int], outputs: list[RequestOutput], echo_only: bool = False
+    prompt_lens: list[int],
+    outputs: list[RequestOutput],
+    echo_only: bool = False,
+    cached_details: bool = False,
 ) -> UsageInfo:
+    """`cached_details`: with OpenAI's prompt_tokens_details (the prompts' prefix-cache
+    hits)."""
     prompt = sum(prompt_lens)
     completion = 0 if echo_only else sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    details = None
+    if cached_details:
+        details = PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outputs))
     return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=details,
     )
 
 

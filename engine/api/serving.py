@@ -99,6 +99,7 @@ class OpenAIServing:
         reasoning_parser: str | None = None,
         chat_template: str | None = None,
         default_chat_template_kwargs: dict[str, Any] | None = None,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         """vLLM's server options. `enable_auto_tool_choice`: read tool calls out of a
         chat's output (tool_choice "auto") in the format of `tool_call_parser` (one of
@@ -106,7 +107,8 @@ class OpenAIServing:
         output into the model's thought and its content. `chat_template`: a template (its
         text, or the path of a Jinja file) in place of the tokenizer's;
         `default_chat_template_kwargs`: template variables a request's
-        chat_template_kwargs add to or override."""
+        chat_template_kwargs add to or override. `enable_prompt_tokens_details`: usage
+        carries OpenAI's prompt_tokens_details (the prompts' prefix-cache hits)."""
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got "
@@ -128,6 +130,7 @@ class OpenAIServing:
         except ChatInputError as e:
             raise ValueError(str(e)) from None
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.prompt_tokens_details = enable_prompt_tokens_details
         self.tool_parser = TOOL_CALL_PARSERS.get(tool_call_parser)
         self.engine = engine
         self.model_name = served_model_name or engine.model_name
@@ -426,7 +429,7 @@ class OpenAIServing:
                 item = await next_output(outputs, deadline)
         final = [finals[i] for i in range(len(prompts))]
         if chat:
-            usage = usage_of(prompt_lens, final)
+            usage = usage_of(prompt_lens, final, cached_details=self.prompt_tokens_details)
             return chat_response(
                 response_id,
                 self.model_name,
@@ -439,7 +442,7 @@ class OpenAIServing:
                 reasoning,
                 request.return_token_ids,
             )
-        usage = usage_of(prompt_lens, final, fmt.echo_only)
+        usage = usage_of(prompt_lens, final, fmt.echo_only, self.prompt_tokens_details)
         token_text = self._token_text(request)
         return completion_response(response_id, self.model_name, final, usage, token_text, fmt)
 
@@ -459,6 +462,7 @@ class OpenAIServing:
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options.continuous_usage_stats
         echo_only = fmt is not None and fmt.echo_only
+        details = self.prompt_tokens_details
         common = dict(
             response_id=response_id,
             created=int(time.time()),
@@ -488,7 +492,9 @@ class OpenAIServing:
                         i, output = item
                         latest[i] = output
                         if continuous:
-                            tracker.usage = usage_of(prompt_lens, list(latest.values()), echo_only)
+                            tracker.usage = usage_of(
+                                prompt_lens, list(latest.values()), echo_only, details
+                            )
                         text = tracker.chunks(output, prompt_index=i)
                         if text:
                             yield text
@@ -497,7 +503,7 @@ class OpenAIServing:
                     yield sse_error(e.to_response().model_dump())
                     yield DONE
                     return
-            result.usage = usage_of(prompt_lens, list(latest.values()), echo_only)
+            result.usage = usage_of(prompt_lens, list(latest.values()), echo_only, details)
             if include_usage:
                 yield tracker.usage_chunk(result.usage)
             yield DONE
