@@ -89,7 +89,21 @@ def load_hf_config(source: ModelSource) -> PretrainedConfig:
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and source.kind == "hf":
+        # Its tensors (fp8 with scales, packed int4 with zeros) would load as plain weights.
+        method = (
+            quantization.get("quant_method", "?")
+            if isinstance(quantization, dict)
+            else getattr(quantization, "quant_method", "?")
+        )
+        raise ValueError(
+            f"model {str(path)!r} is a quantized checkpoint (quantization_config.quant_method="
+            f"{method!r}), which kvray does not load: serve its unquantized (bf16, fp16 or "
+            "fp32) checkpoint, or its GGUF file"
+        )
+    return config
 
 
 def load_model(

@@ -168,6 +168,20 @@ def test_unknown_architecture_is_named(tmp_path):
         _load(tmp_path)
 
 
+def test_a_quantized_checkpoint_is_refused_naming_its_method(hf_tiny, tmp_path):
+    """Its tensors would otherwise load as plain weights (or fail on the first scale)."""
+    _, single, _ = hf_tiny
+    folder = tmp_path / "fp8"
+    shutil.copytree(single, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized checkpoint .*'fp8'"):
+        load_hf_config(resolve_model_source(str(folder)))
+    # Dummy weights of its shape need no tensor of it.
+    assert load_hf_config(resolve_model_source(str(folder), "dummy")).num_hidden_layers
+
+
 def test_missing_path_is_named(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match="nope"):
