@@ -15,8 +15,7 @@
 #          prompt, both engines on the GPU at gpu_memory_utilization 0.4;
 #          C1_BLOCK=N with it: N prompts a turn, the steady ones reported apart;
 #          C1_PAIRED_DIRECT=1 with it: the paired run again past HAProxy (to the replica);
-#          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls;
-#          KEEP_AWAKE=1 runs bench.keep_awake (a SCHED_IDLE loop on every CPU) meanwhile)
+#          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
 #          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
@@ -26,7 +25,6 @@
 # decode-caps: in process, llama3-8b, Poisson 16 req/s (two seeds) and 500 at once with
 #          max_prefill_tokens_with_decodes 0 (off), 512 and 1024 (or $DECODE_CAPS)
 # wakeups: bench.wakeups (a pipe round trip and a prompt's encoding after idle gaps)
-# wakeups-awake: the same with bench.keep_awake's loops on every CPU
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # tp-nosp: the TP=2 1000 x 1024/128 run with sequence parallel off (all-reduce only)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
@@ -104,7 +102,6 @@ for s in "$@"; do
         stage allreduce-shared 120 python -m bench.allreduce --shared-devices
         cat "$out"/allreduce-*.log ;;
     wakeups) stage wakeups 120 python -m bench.wakeups --record ;;
-    wakeups-awake) stage wakeups-awake 120 python -m bench.wakeups --keep-awake --record ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
@@ -136,15 +133,8 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         [ -n "${C1_PAIRED:-}" ] && extra+=(--c1-paired --serve-arg gpu_memory_utilization=0.4)
         [ -n "${C1_BLOCK:-}" ] && extra+=(--c1-paired-block "$C1_BLOCK")
         [ -n "${C1_PAIRED_DIRECT:-}" ] && extra+=(--c1-paired-direct)
-        awake=""
-        if [ -n "${KEEP_AWAKE:-}" ]; then
-            python -m bench.keep_awake >"$out/keep-awake.log" 2>&1 &
-            awake=$!
-            extra+=(--label-suffix +keep_awake)
-        fi
         stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
-        [ -n "$awake" ] && { kill -TERM "$awake"; wait "$awake"; }
         unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY \
             KVRAY_HAPROXY_BUSY_POLLING RAY_SERVE_HAPROXY_NBTHREAD
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;

@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import keep_awake
 from bench.common import emit
 
 GAPS_S = (0.0, 0.05, 0.6)
@@ -55,11 +54,7 @@ def _read(path: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--record", action="store_true")
-    parser.add_argument(
-        "--keep-awake", action="store_true", help="with bench.keep_awake's loops on every CPU"
-    )
     args = parser.parse_args(argv)
-    spinners = keep_awake.start() if args.keep_awake else []
 
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -83,7 +78,6 @@ def main(argv: list[str] | None = None) -> None:
         "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
         "cpuidle_governor": _read("/sys/devices/system/cpu/cpuidle/current_governor_ro"),
         "cpus": multiprocessing.cpu_count(),
-        "keep_awake": args.keep_awake,
     }
     for _ in range(50):  # warm both
         round_trip()
@@ -96,7 +90,6 @@ def main(argv: list[str] | None = None) -> None:
         result[f"encode_1024_words_us_after_{name}"] = _timed(step, gap, repeats)
     conn.send(None)
     echo.join(5)
-    keep_awake.stop(spinners)
     emit(result, args.record)
 
 
