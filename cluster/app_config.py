@@ -34,6 +34,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_served_names,
 )
 from engine.loader import default_model_name
 from engine.tokenizer import ChatInputError, check_template_kwargs, load_chat_template
@@ -262,6 +263,17 @@ class AppConfig(_AppConfigBase):
     def _models_json_string(cls, value: Any) -> Any:
         return _json_text(value)
 
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _served_names_json(cls, value: Any) -> Any:
+        # Several names arrive from `serve run ... served_model_name='["a", "b"]'` as text.
+        return _json_text(value) if isinstance(value, str) and value.startswith("[") else value
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _check_served_names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        return check_served_names(value)
+
     @model_validator(mode="after")
     def _check_models(self) -> AppConfig:
         if self.models is None:
@@ -281,20 +293,30 @@ class AppConfig(_AppConfigBase):
         configs = [_model_config(i, entry, app_wide) for i, entry in enumerate(self.models)]
         first_entry: dict[str, int] = {}
         for i, config in enumerate(configs):
-            name = config.served_name
-            if name in first_entry:
-                raise ValueError(
-                    f"models[{i}]: served name {name!r} is also models[{first_entry[name]}]'s: "
-                    "give one of them another served_model_name"
-                )
-            first_entry[name] = i
+            for name in config.served_names:
+                if name in first_entry:
+                    raise ValueError(
+                        f"models[{i}]: served name {name!r} is also "
+                        f"models[{first_entry[name]}]'s: give one of them another "
+                        "served_model_name"
+                    )
+                first_entry[name] = i
         self._model_configs = configs
         return self
 
     @property
+    def served_names(self) -> list[str]:
+        """Every name a request's `model` may give this model; the first is the one
+        responses carry (and metrics label)."""
+        given = self.served_model_name
+        if given is None:
+            return [default_model_name(self.model, self.load_format)]
+        return [given] if isinstance(given, str) else list(given)
+
+    @property
     def served_name(self) -> str:
-        """The model's name in the API, what a request's `model` names."""
-        return self.served_model_name or default_model_name(self.model, self.load_format)
+        """The model's name in the API: the first of served_names."""
+        return self.served_names[0]
 
     def model_configs(self) -> list[AppConfig]:
         """One single-model config per model served: the entries of `models` (each with the

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(
                 _flag(name), dest=name, action=argparse.BooleanOptionalAction, help=_help(info)
             )
+        elif name == "served_model_name":  # vLLM's spelling: --served-model-name a b
+            group.add_argument(_flag(name), dest=name, nargs="+", metavar="NAME", help=_help(info))
         else:
             group.add_argument(_flag(name), dest=name, metavar="VALUE", help=_help(info))
     run = serve.add_argument_group("this command")
@@ -73,6 +75,9 @@ def parse_serve_args(argv: list[str]) -> tuple[AppConfig, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
     keys = {k: v for k, v in vars(args).items() if k in AppConfig.model_fields}
+    names = keys.get("served_model_name")
+    if names is not None and len(names) == 1:
+        keys["served_model_name"] = names[0]
     if getattr(args, "model_path", None) is not None:
         keys["model"] = args.model_path
     try:

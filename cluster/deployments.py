@@ -201,7 +201,8 @@ class OpenAIIngress:
             await self.host.start(config)
             server = LocalServer(self.host, colocated_capacity(config))
         servers = server if isinstance(server, dict) else {config.served_name: server}
-        self.router = ModelRouter(servers)
+        aliases = {name: c.served_name for c in config.model_configs() for name in c.served_names}
+        self.router = ModelRouter(servers, aliases)
         self.config = config
         self.limiter = limiter
         self.resolver = TenantResolver(config.api_keys, config.tenants)

@@ -16,11 +16,16 @@ from engine.api.protocol import APIError
 
 
 class ModelRouter:
-    def __init__(self, servers: Mapping[str, Any]) -> None:
-        """`servers`: served name -> an LLMServer handle (or a LocalServer)."""
+    def __init__(self, servers: Mapping[str, Any], aliases: Mapping[str, str] | None = None):
+        """`servers`: served name -> an LLMServer handle (or a LocalServer); `aliases`:
+        every name a request may give -> its model's served name (default: the names of
+        `servers` alone)."""
         if not servers:
             raise ValueError("a ModelRouter needs at least one server")
         self.servers = dict(servers)
+        self.aliases = dict(aliases or {})
+        for name in servers:
+            self.aliases.setdefault(name, name)
         # .options() starts each handle's router now, so it knows the replicas before the
         # first burst arrives (a cold router queues everything and trips max_queued_requests).
         self.streams = {name: server.options(stream=True) for name, server in servers.items()}
@@ -34,20 +39,22 @@ class ModelRouter:
         """The served name a request for `model` goes to; APIError 404 / 400 if none."""
         if len(self.servers) == 1:
             return next(iter(self.servers))
-        served = ", ".join(f"`{name}`" for name in self.servers)
         if model is None:
             raise APIError(
-                f"this server serves several models ({served}): name one in `model`",
+                f"this server serves several models ({self._listed()}): name one in `model`",
                 param="model",
             )
-        if model not in self.servers:
+        if model not in self.aliases:
             raise APIError(
-                f"The model `{model}` does not exist (this server serves {served})",
+                f"The model `{model}` does not exist (this server serves {self._listed()})",
                 404,
                 param="model",
                 code="model_not_found",
             )
-        return model
+        return self.aliases[model]
+
+    def _listed(self) -> str:
+        return ", ".join(f"`{name}`" for name in self.aliases)
 
     def server(self, model: str | None) -> Any:
         return self.servers[self.name_for(model)]
@@ -66,10 +73,11 @@ class ModelRouter:
 
     async def model_card(self, model_id: str) -> dict:
         """OpenAI's retrieve-model answer: the card whose id is `model_id`, else a 404."""
-        for card in (await self.models())["data"]:
+        cards = (await self.models())["data"]
+        for card in cards:
             if card["id"] == model_id:
                 return card
-        served = ", ".join(f"`{name}`" for name in self.servers)
+        served = ", ".join(f"`{card['id']}`" for card in cards)
         raise APIError(
             f"The model `{model_id}` does not exist (this server serves {served})",
             404,

@@ -185,6 +185,13 @@ class AsyncEngine:
     def model_name(self) -> str:
         return self.engine.model_name if self.in_process else self._info["model_name"]
 
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every name requests may give the model (model_name first)."""
+        if self.in_process:
+            return self.engine.served_model_names
+        return self._info["served_model_names"]
+
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt text -> token ids, exactly as the engine tokenizes a text prompt."""
         if self.in_process:

@@ -27,8 +27,9 @@ class ModelConfig(_Frozen):
     """HF folder, a `.gguf` file, or a shape name with `load_format="dummy"`. None: bundled SmolLM2."""
     tokenizer: str | None = None
     """Tokenizer folder; defaults to the model's own (or the GGUF metadata)."""
-    served_model_name: str | None = None
-    """Name in the API; defaults to the model's folder or file name."""
+    served_model_name: str | list[str] | None = None
+    """Name in the API; defaults to the model's folder or file name. Several (vLLM's
+    aliases): requests may name any, responses carry the first."""
     dtype: DType = "auto"
     """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmuls on a CPU are slow and inexact)."""
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
@@ -46,11 +47,34 @@ class ModelConfig(_Frozen):
     def _check_generation_config(cls, value: str) -> str:
         return check_setting(value)
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _check_served_names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        return check_served_names(value)
+
+    def served_names(self) -> list[str] | None:
+        """Every name of served_model_name, the first the one responses carry; None: none
+        given (the model's folder or file name serves)."""
+        value = self.served_model_name
+        return [value] if isinstance(value, str) else value
+
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             raise ValueError("dtype is still 'auto': use EngineConfig.create() to resolve it")
         return _TORCH_DTYPES[self.dtype]
+
+
+def check_served_names(value: str | list[str] | None) -> str | list[str] | None:
+    """served_model_name as given, if every name is non-empty and none repeats."""
+    names = [value] if isinstance(value, str) else value or []
+    if isinstance(value, list) and not names:
+        raise ValueError("give at least one name")
+    if any(not name for name in names):
+        raise ValueError("a name must not be empty")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{names} names one model twice")
+    return value
 
 
 class CacheConfig(_Frozen):

@@ -241,6 +241,7 @@ def run_engine_process(engine_args: dict, conn: Any) -> None:
             "ready",
             {
                 "model_name": engine.model_name,
+                "served_model_names": engine.served_model_names,
                 "max_model_len": engine.config.scheduler_config.max_model_len,
                 "generation_defaults": engine.generation_defaults,
                 "tokenizer": engine.tokenizer,

@@ -91,9 +91,10 @@ class LLMEngine:
         self.config = config
         self.hf_config = hf_config
         self.tokenizer = tokenizer
-        self.model_name = config.model.served_model_name or default_model_name(
-            config.model.model, config.model.load_format
-        )
+        self.served_model_names = config.model.served_names() or [
+            default_model_name(config.model.model, config.model.load_format)
+        ]
+        self.model_name = self.served_model_names[0]
         executor_class = executor_class or get_executor_class(config)
         self.executor = executor_class(config, hf_config, source)
         self.num_gpu_blocks = self.executor.determine_num_blocks()

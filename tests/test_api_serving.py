@@ -44,6 +44,7 @@ class ScriptedEngine:
     logprobs come with the first token, as the real engine's do (see `prompt_logprobs`)."""
 
     model_name = "scripted"
+    served_model_names = ["scripted"]
     max_model_len = MAX_MODEL_LEN
     generation_defaults = GenerationDefaults()
 
@@ -829,6 +830,19 @@ def test_max_tokens_defaults_fit_the_context(tokenizer):
     asyncio.run(serving.create_chat_completion(_chat(max_tokens=None)))
     n_prompt = len(engine.calls[1]["prompt"])
     assert engine.calls[1]["params"].max_tokens == MAX_MODEL_LEN - n_prompt
+
+
+def test_any_served_name_is_taken_and_responses_carry_the_first(tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    engine.served_model_names = ["main", "alias"]
+    serving = OpenAIServing(engine)
+    response = asyncio.run(serving.create_completion(_completion(model="alias", max_tokens=1)))
+    assert response.model == "main"
+    assert [card.id for card in serving.models().data] == ["main", "alias"]
+    with pytest.raises(APIError) as refused:
+        asyncio.run(serving.create_completion(_completion(model="other", max_tokens=1)))
+    assert refused.value.status_code == 404
+    assert "`main`, `alias`" in refused.value.message
 
 
 def test_priority_never_beats_the_tenant_and_salt_passes_through(tokenizer):

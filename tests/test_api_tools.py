@@ -62,6 +62,7 @@ class TextEngine:
     its turn ("stop"), decoded as the request asks (skip_special_tokens)."""
 
     model_name = "scripted"
+    served_model_names = ["scripted"]
     max_model_len = 512
     generation_defaults = GenerationDefaults()
 

@@ -125,11 +125,15 @@ def test_generate_without_params_takes_the_model_s_defaults(tiny_llm, tiny_folde
 
 
 def test_an_engine_process_reports_the_defaults(tiny_folder):
-    engine = AsyncEngine.from_engine_args(str(tiny_folder), engine_process=True, **TINY_ARGS)
+    engine = AsyncEngine.from_engine_args(
+        str(tiny_folder), engine_process=True, served_model_name=["tiny", "alias"], **TINY_ARGS
+    )
     try:
         defaults = engine.generation_defaults
+        names = (engine.model_name, engine.served_model_names)
     finally:
         engine.shutdown()
+    assert names == ("tiny", ["tiny", "alias"])
     assert defaults.sampling == {"temperature": 0.0, "top_k": 20}
     assert (defaults.max_tokens, defaults.eos_token_ids) == (5, (2, EXTRA_EOS))
 

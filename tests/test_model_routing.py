@@ -20,15 +20,18 @@ from engine.api.protocol import APIError, UsageInfo
 class _FakeHost:
     """What the ingress calls on an LLMServer; answers name the model that answered."""
 
-    def __init__(self, name: str, max_model_len: int, healthy: bool = True) -> None:
+    def __init__(
+        self, name: str, max_model_len: int, healthy: bool = True, aliases: tuple = ()
+    ) -> None:
         self.name = name
+        self.names = (name, *aliases)
         self.max_model_len = max_model_len
         self.healthy = healthy
         self.asked: list[str | None] = []
 
     async def generate(self, kind: str, request: Any, ctx: Any):
         self.asked.append(request.model)
-        if request.model not in (None, self.name):
+        if request.model not in (None, *self.names):
             yield APIError(f"The model `{request.model}` does not exist", 404)
             return
         if getattr(request, "stream", False):
@@ -41,8 +44,11 @@ class _FakeHost:
         yield {"model": self.name, "kind": kind, "usage": usage}
 
     def models(self) -> dict:
-        card = {"id": self.name, "object": "model", "max_model_len": self.max_model_len}
-        return {"object": "list", "data": [card]}
+        cards = [
+            {"id": name, "object": "model", "max_model_len": self.max_model_len}
+            for name in self.names
+        ]
+        return {"object": "list", "data": cards}
 
     async def tokenize(self, request: Any) -> dict:
         self.asked.append(request.model)
@@ -174,6 +180,28 @@ def test_one_model_keeps_todays_routing_its_server_judges_the_name():
     assert host.asked == [None, "other"]
     assert [m["id"] for m in listed.json()["data"]] == [host.name]
     assert ingress.router.names == ["SmolLM2-135M-Instruct"]
+
+
+def test_a_model_s_aliases_reach_its_server_and_are_listed():
+    config = {
+        "models": [
+            {"served_model_name": ["small", "tiny"], "max_model_len": 256},
+            {"model": "/m/Big"},
+        ]
+    }
+    hosts = {"small": _FakeHost("small", 256, aliases=("tiny",)), "Big": _FakeHost("Big", 2048)}
+    requests = [
+        ("POST", "/v1/completions", {"model": "tiny", "prompt": "hi"}),
+        ("POST", "/v1/completions", {"model": "nope", "prompt": "hi"}),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/models/tiny", None),
+    ]
+    (aliased, unknown, listed, card), ingress = _serve(config, hosts, requests)
+    assert aliased.status_code == 200 and hosts["small"].asked == ["tiny"]
+    assert "`small`, `tiny`, `Big`" in unknown.json()["error"]["message"]
+    assert [m["id"] for m in listed.json()["data"]] == ["small", "tiny", "Big"]
+    assert card.json()["id"] == "tiny"
+    assert ingress.router.names == ["small", "Big"]
 
 
 def test_health_needs_every_models_servers():

@@ -38,6 +38,7 @@ TWO = [
         ({"models": [{}, {}]}, r"models\[1\]: served name 'SmolLM2-135M-Instruct' is also models\[0\]"),
         ({"models": [{"served_model_name": "a"}, {"model": "/m/b"}, {"served_model_name": "a"}]}, r"models\[2\]: served name 'a'"),
         ({"models": [{"model": "/m/x/Llama"}, {"model": "/other/Llama.gguf"}]}, r"served name 'Llama'"),
+        ({"models": [{"served_model_name": ["a", "b"]}, {"served_model_name": ["c", "b"]}]}, r"models\[1\]: served name 'b' is also models\[0\]"),
         # Top-level model keys beside models.
         ({"models": [{}], "model": "/m/x"}, r"models: model given at the top level"),
         ({"models": [{}], "max_model_len": 256}, r"max_model_len given at the top level"),

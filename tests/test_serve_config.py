@@ -53,6 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
         ({"dtype": "float64"}, "dtype"),
         ({"tenants": {"a": {"priorty": 1}}}, "priorty"),
         ({"api_keys": "{not json"}, "api_keys"),
+        ({"served_model_name": []}, "served_model_name: .*at least one name"),
+        ({"served_model_name": '["a", "a"]'}, "served_model_name: .*names one model twice"),
+        ({"served_model_name": ["a", ""]}, "served_model_name: .*must not be empty"),
     ],
 )
 def test_a_bad_key_or_value_fails_at_build_naming_it(args, named):
@@ -112,6 +115,16 @@ def test_kvray_serve_flags_build_the_same_config():
         }
     )
     assert args.port == 9000
+
+
+def test_several_served_names_come_as_vllms_flag_or_as_json_text():
+    config, _ = parse_serve_args(["serve", "--served-model-name", "main", "alias"])
+    assert config.served_names == ["main", "alias"] and config.served_name == "main"
+    single, _ = parse_serve_args(["serve", "--served-model-name", "main"])
+    assert single.served_model_name == "main" and single.served_names == ["main"]
+    from_text = load_app_config({"served_model_name": '["main", "alias"]'})
+    assert from_text.served_model_name == ["main", "alias"]
+    assert load_app_config({}).served_names == ["SmolLM2-135M-Instruct"]
 
 
 def test_tool_call_keys_are_vllms_flags_and_name_the_servings_parsers():

@@ -133,7 +133,11 @@ class OpenAIServing:
         self.prompt_tokens_details = enable_prompt_tokens_details
         self.tool_parser = TOOL_CALL_PARSERS.get(tool_call_parser)
         self.engine = engine
-        self.model_name = served_model_name or engine.model_name
+        self.model_names: list[str] = (
+            [served_model_name] if served_model_name else list(engine.served_model_names)
+        )
+        """Every name a request may give; responses carry the first."""
+        self.model_name = self.model_names[0]
         self.max_model_len: int = engine.max_model_len
         self.generation_defaults: GenerationDefaults = engine.generation_defaults
         self.tokenizer = engine.tokenizer
@@ -148,7 +152,9 @@ class OpenAIServing:
         """Prompts on the tokenizer threads now."""
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+        return ModelList(
+            data=[ModelCard(id=name, max_model_len=self.max_model_len) for name in self.model_names]
+        )
 
     async def create_completion(
         self, request: CompletionRequest, ctx: RequestContext | None = None
@@ -272,9 +278,10 @@ class OpenAIServing:
         return TokenIdText() if request.return_tokens_as_token_ids else self.token_text
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in self.model_names)
             raise APIError(
-                f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                f"The model `{model}` does not exist (this server serves {served})",
                 404,
                 param="model",
                 code="model_not_found",
