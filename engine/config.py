@@ -52,12 +52,6 @@ class ModelConfig(_Frozen):
     def _check_served_names(cls, value: str | list[str] | None) -> str | list[str] | None:
         return check_served_names(value)
 
-    def served_names(self) -> list[str] | None:
-        """Every name of served_model_name, the first the one responses carry; None: none
-        given (the model's folder or file name serves)."""
-        value = self.served_model_name
-        return [value] if isinstance(value, str) else value
-
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -65,9 +59,15 @@ class ModelConfig(_Frozen):
         return _TORCH_DTYPES[self.dtype]
 
 
+def served_name_list(value: str | list[str] | None) -> list[str]:
+    """The names of a served_model_name, the first the one responses carry; [] for None
+    (the model's folder or file name serves)."""
+    return [value] if isinstance(value, str) else list(value or [])
+
+
 def check_served_names(value: str | list[str] | None) -> str | list[str] | None:
     """served_model_name as given, if every name is non-empty and none repeats."""
-    names = [value] if isinstance(value, str) else value or []
+    names = served_name_list(value)
     if isinstance(value, list) and not names:
         raise ValueError("give at least one name")
     if any(not name for name in names):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, UsageContext
+from engine.config import EngineConfig, UsageContext, served_name_list
 from engine.executor import Executor, PendingOutput, get_executor_class
 from engine.gc_pauses import frozen_heap
 from engine.generation_config import (
@@ -91,7 +91,7 @@ class LLMEngine:
         self.config = config
         self.hf_config = hf_config
         self.tokenizer = tokenizer
-        self.served_model_names = config.model.served_names() or [
+        self.served_model_names = served_name_list(config.model.served_model_name) or [
             default_model_name(config.model.model, config.model.load_format)
         ]
         self.model_name = self.served_model_names[0]
