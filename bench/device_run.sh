@@ -15,7 +15,9 @@
 #          prompt, both engines on the GPU at gpu_memory_utilization 0.4;
 #          C1_BLOCK=N with it: N prompts a turn, the steady ones reported apart;
 #          C1_PAIRED_DIRECT=1 with it: the paired run again past HAProxy (to the replica);
-#          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls)
+#          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls;
+#          HOP_TRACE=1 traces every request's hops, engine/hop_trace.py, into $OUT/hops and
+#          prints bench.hops of them: meant for concurrency 1)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
 #          CUDA graphs against eager, alternating in one engine)
 #          behind Serve's direct ingress (HAProxy, cluster/topology.py DIRECT_INGRESS_ENV;
@@ -123,6 +125,7 @@ for s in "$@"; do
             extra+=(--serve-arg colocate_ingress=true)
         fi
         [ "$s" = serve-eager-prefill ] && extra+=(--serve-arg prefill_cuda_graph_tokens=0)
+        [ -n "${HOP_TRACE:-}" ] && export KVRAY_HOP_TRACE="$(cd "$out" && pwd)/hops"
         # Serve's fast path (cluster/topology.py) must be in the environment Ray starts with.
         eval "$(python3 -c 'from cluster.topology import SERVE_FAST_PATH_ENV as e
 print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
@@ -135,6 +138,10 @@ print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
         [ -n "${C1_PAIRED_DIRECT:-}" ] && extra+=(--c1-paired-direct)
         stage "$s" 420 python -m bench.serve_suite --model llama3-8b \
             --load-format dummy --ready-timeout-s 180 --record "${extra[@]}"
+        if [ -n "${HOP_TRACE:-}" ]; then
+            python3 -m bench.hops "$KVRAY_HOP_TRACE" | tee "$out/hops.txt"
+            unset KVRAY_HOP_TRACE
+        fi
         unset RAY_ADDRESS RAY_SERVE_ENABLE_HA_PROXY RAY_SERVE_HAPROXY_BINARY_PATH KVRAY_HAPROXY_BINARY \
             KVRAY_HAPROXY_BUSY_POLLING RAY_SERVE_HAPROXY_NBTHREAD
         cp /tmp/kvray-serve-suite-*/serve.log "$out/serve-server.log" 2>/dev/null ;;

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
+import os
 import random
 import shlex
 import sys
@@ -99,6 +101,17 @@ def _lognormal(rng: random.Random, median: int, sigma: float, cap: int) -> int:
     return max(1, min(cap, int(rng.lognormvariate(np.log(median), sigma))))
 
 
+@functools.cache
+def _hop() -> Any:
+    """engine.hop_trace.hop where KVRAY_HOP_TRACE is set (it imports the engine), else a no-op:
+    the client's send and first token, beside the server's hops."""
+    if not os.environ.get("KVRAY_HOP_TRACE"):
+        return lambda label: None
+    from engine.hop_trace import hop
+
+    return hop
+
+
 async def send(
     session: aiohttp.ClientSession,
     args: argparse.Namespace,
@@ -121,6 +134,8 @@ async def send(
     else:
         body["prompt"] = prompt
     result = RequestResult(ok=False, prompt_len=prompt_len)
+    hop = _hop()
+    hop("client_send")
     start = last = result.sent_at = time.perf_counter()
     chunks = 0
     try:
@@ -150,6 +165,7 @@ async def send(
                     continue
                 now = time.perf_counter()
                 if chunks == 0:
+                    hop("client_first")
                     result.ttft_s = now - start
                 else:
                     result.itl_s.append(now - last)
@@ -176,6 +192,8 @@ async def send_in_process(
         max_tokens=max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
     )
     result = RequestResult(ok=False, prompt_len=prompt_len)
+    hop = _hop()
+    hop("inproc_start")
     start = last = result.sent_at = time.perf_counter()
     num_tokens = 0
     try:
@@ -186,6 +204,7 @@ async def send_in_process(
                 continue
             now = time.perf_counter()
             if num_tokens == 0:
+                hop("inproc_first")
                 result.ttft_s = now - start
             else:
                 result.itl_s.append(now - last)

@@ -58,6 +58,7 @@ from engine.api.protocol import (
 )
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.gc_pauses import tune_for_serving
+from engine.hop_trace import hop
 
 _REQUEST_TYPES = {
     "completion": CompletionRequest,
@@ -292,6 +293,7 @@ class OpenAIIngress:
             tenant = self.resolver.resolve(request.headers)
             tenant_name = tenant.name
             parsed = await self._parse_body(request, kind)
+            hop("parsed")
             model_name = self.router.name_for(parsed.model)
             server = self.router.stream(model_name)
             lease = await self._acquire(tenant.name)

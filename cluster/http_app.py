@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine import hop_trace
 from engine.api.protocol import APIError
 
 logger = logging.getLogger("ray.serve")
@@ -88,6 +89,19 @@ def build_fastapi_app(routes: dict[tuple[str, str], Callable[..., Any]]) -> Fast
     return app
 
 
+def _traced(send: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    """`send`, tracing the response's start and each SSE event with data."""
+
+    async def traced_send(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            hop_trace.hop("send_start")
+        elif message.get("body", b"").startswith(b"data: {"):
+            hop_trace.hop("send_body")
+        await send(message)
+
+    return traced_send
+
+
 class HotRoutes:
     """An ASGI app: POSTs to `handlers`' paths go to their handler as a Starlette request,
     everything else (other routes, other methods, lifespan) to `fallback`."""
@@ -108,12 +122,13 @@ class HotRoutes:
         if handler is None:
             await self.fallback(scope, receive, send)
             return
+        hop_trace.hop("handler_start")
         request = Request(scope, receive)
         try:
             response = await handler(request)
         except Exception as e:
             response = await self._error_response(request, e)
-        await response(scope, receive, send)
+        await response(scope, receive, _traced(send) if hop_trace.enabled() else send)
 
     async def _error_response(self, request: Request, exc: Exception) -> Response:
         on_error = next(

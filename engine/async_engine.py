@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.core_loop import AbortOp, AddOp, CallOp, CoreLoop, Op, Results
 from engine.generation_config import GenerationDefaults
+from engine.hop_trace import hop
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_text
@@ -56,6 +57,7 @@ class _Stream:
 
 
 def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException | None]]) -> None:
+    hop("loop_deliver")
     for stream, item in items:
         stream.put(item)
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from os.path import commonprefix
 from typing import Any
 
+from engine import hop_trace
 from engine.core_loop import AddOp, CoreLoop, Op, Results
 from engine.gc_pauses import freeze_startup_heap
 from engine.outputs import CompletionOutput, RequestOutput
@@ -259,6 +260,9 @@ def run_engine_process(engine_args: dict, conn: Any) -> None:
         failed = [(rid, _picklable(e)) for rid, e in results.failed]
         payload = (encoder.encode(results.outputs), failed, results.ended, calls_out)
         conn.send(("results", payload, results.num_steps, events))
+        if hop_trace.enabled():
+            tokens = any(o.outputs and o.outputs[0].token_ids for o in results.outputs)
+            hop_trace.hop("engine_sent_tokens" if tokens else "engine_sent")
 
     try:
         while True:
@@ -272,6 +276,8 @@ def run_engine_process(engine_args: dict, conn: Any) -> None:
             for op in ops:
                 if isinstance(op, AddOp) and not isinstance(op.prompt, str):
                     encoder.sent_as_ids(op.request_id)
+            if hop_trace.enabled() and any(isinstance(op, AddOp) for op in ops):
+                hop_trace.hop("engine_got_add")
             applied = core.apply(ops)
             if applied:
                 send(applied)
@@ -347,6 +353,8 @@ class ProcessCore:
         """False when the engine process can no longer be reached."""
         if isinstance(op, AddOp) and not isinstance(op.prompt, str):
             self._prompt_ids[op.request_id] = list(op.prompt)
+        if isinstance(op, AddOp):
+            hop_trace.hop("submit")
         try:
             with self._send_lock:
                 self._conn.send(op)
@@ -370,6 +378,7 @@ class ProcessCore:
         try:
             while True:
                 message = self._conn.recv()
+                hop_trace.hop("reader_recv")
                 self.last_heard = time.monotonic()
                 if message[0] == "dead":
                     self._on_dead(message[1])

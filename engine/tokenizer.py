@@ -16,6 +16,8 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.hop_trace import hop
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -46,6 +48,7 @@ def encode_text(
     and 1.5x on 1,081 BPE tokens. The backend runs bare only when no truncation or padding
     is set on it, which the HF call would have turned off first.
     """
+    hop("encode_start")
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         backend is not None
@@ -53,8 +56,11 @@ def encode_text(
         and backend.truncation is None
         and backend.padding is None
     ):
-        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    hop("encoded")
+    return ids
 
 
 class ChatInputError(ValueError):
