@@ -1,9 +1,9 @@
 """The ingress's view of the models it serves: served name -> that model's server handle.
 
-With one model the server answers whatever a request names (its own 404 names what it
-serves), exactly as before several models could share an app. With several the ingress
-picks the server from the request's `model`: unknown names are OpenAI's 404, and a request
-that names none is a 400 listing the names served.
+The ingress picks the server from the request's `model` (a served name or an alias):
+unknown names are OpenAI's 404, answered here, so no server is asked and no client's name
+becomes a metrics label. A request that names no model goes to the only one, or with
+several is a 400 listing the names served.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class ModelRouter:
 
     def name_for(self, model: str | None) -> str:
         """The served name a request for `model` goes to; APIError 404 / 400 if none."""
-        if len(self.servers) == 1:
-            return next(iter(self.servers))
         if model is None:
+            if len(self.servers) == 1:
+                return next(iter(self.servers))
             raise APIError(
                 f"this server serves several models ({self._listed()}): name one in `model`",
                 param="model",

@@ -167,17 +167,46 @@ def test_without_a_model_several_models_are_a_400_naming_them():
     assert hosts["small"].asked == hosts["Big"].asked == []
 
 
-def test_one_model_keeps_todays_routing_its_server_judges_the_name():
+class _Counted:
+    """The ingress's metrics sink, keeping its counters' labels."""
+
+    incs: list[tuple[str, dict]] = []
+
+    def inc(self, name: str, value: float, labels: dict) -> None:
+        self.incs.append((name, dict(labels)))
+
+
+def test_one_model_answers_requests_naming_none_and_refuses_unknown_names_itself(monkeypatch):
+    monkeypatch.setattr(deployments, "RayMetricsSink", _Counted)
+    _Counted.incs = []
     host = _FakeHost("SmolLM2-135M-Instruct", 512)
     requests = [
         ("POST", "/v1/completions", {"prompt": "hi"}),
+        ("POST", "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "hi"}),
         ("POST", "/v1/completions", {"model": "other", "prompt": "hi"}),
+        ("POST", "/tokenize", {"model": "other", "prompt": "hi"}),
         ("GET", "/v1/models", None),
     ]
-    (plain, other, listed), ingress = _serve({}, {host.name: host}, requests, single=True)
-    assert plain.status_code == 200
-    assert other.status_code == 404  # the server's own answer, as before
-    assert host.asked == [None, "other"]
+    (plain, named, other, tokens, listed), ingress = _serve(
+        {}, {host.name: host}, requests, single=True
+    )
+    assert plain.status_code == named.status_code == 200
+    for refused in (other, tokens):
+        assert refused.status_code == 404
+        error = refused.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert (
+            "`other` does not exist (this server serves `SmolLM2-135M-Instruct`)"
+            in (error["message"])
+        )
+    assert host.asked == [None, "SmolLM2-135M-Instruct"]  # never asked about `other`
+    # A client's unknown name never becomes a label value.
+    done = [labels for name, labels in _Counted.incs if name == "kvray_http_requests"]
+    assert [(d["model"], d["code"]) for d in done] == [
+        ("SmolLM2-135M-Instruct", "200"),
+        ("SmolLM2-135M-Instruct", "200"),
+        ("", "404"),
+    ]
     assert [m["id"] for m in listed.json()["data"]] == [host.name]
     assert ingress.router.names == ["SmolLM2-135M-Instruct"]
 
