@@ -27,6 +27,10 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_text
 
+METRICS_PER_TURN = 200
+"""Metric events an event loop replays at a time (AsyncEngine._replay): about half a
+millisecond of Ray metric calls between its other callbacks."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,6 +58,18 @@ class _Stream:
         else:
             self.error = item
         self.event.set()
+
+
+def _record(sink: Any, events: list) -> None:
+    for kind, name, value, labels in events:
+        getattr(sink, kind)(name, value, labels)
+
+
+def _record_in_turns(loop: asyncio.AbstractEventLoop, sink: Any, events: list, start: int) -> None:
+    end = start + METRICS_PER_TURN
+    _record(sink, events[start:end])
+    if end < len(events):
+        loop.call_soon(_record_in_turns, loop, sink, events, end)
 
 
 def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException | None]]) -> None:
@@ -147,6 +163,7 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
         self._sink: Any = None
+        self._metrics_loop: asyncio.AbstractEventLoop | None = None
         if engine is not None:
             self.engine = engine
             self._core: Any = _ThreadCore(engine, self._on_results, self._on_dead)
@@ -237,11 +254,19 @@ class AsyncEngine:
         return started is None or time.monotonic() - started < self.stall_timeout_s
 
     def enable_metrics(self, sink: Any) -> None:
-        """Record engine metrics into `sink` (engine/metrics.py) from the next request on."""
+        """Record engine metrics into `sink` (engine/metrics.py) from the next request on.
+
+        With an engine process, called on an event loop, that loop records them, a few
+        hundred at a time between its other work; else the thread that reads the engine's
+        outputs does, after delivering them."""
         if self.in_process:
             self.engine.enable_metrics(sink)
             return
         self._sink = sink
+        try:
+            self._metrics_loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._metrics_loop = None
         self._submit(CallOp(next(self._call_ids), "enable_metrics"))
 
     def check_health(self) -> None:
@@ -364,10 +389,22 @@ class AsyncEngine:
         self._reply(replies)
 
     def _replay(self, events: list) -> None:
-        sink = self._sink
-        if sink is not None:
-            for kind, name, value, labels in events:
-                getattr(sink, kind)(name, value, labels)
+        """The engine process's metric events into the sink. A flush under load holds one
+        event per running request per step (thousands a second, a few microseconds each in
+        Ray's metrics): recorded on the reader thread they held up every stream's next
+        outputs; on the loop, in turns, they wait for the outputs instead."""
+        sink, loop = self._sink, self._metrics_loop
+        if sink is None:
+            return
+        if loop is None:
+            _record(sink, events)
+            return
+        try:
+            # call_soon from the loop: the first turn comes after the callbacks that the
+            # outputs just delivered have woken.
+            loop.call_soon_threadsafe(loop.call_soon, _record_in_turns, loop, sink, events, 0)
+        except RuntimeError:
+            pass  # that event loop is closed: nobody is left to export them
 
     def _reply(self, replies: list[tuple[_Stream, RequestOutput | BaseException | None]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -259,10 +259,10 @@ def run_engine_process(engine_args: dict, conn: Any) -> None:
         calls_out = [(i, r, _picklable(e)) for i, r, e in results.calls]
         failed = [(rid, _picklable(e)) for rid, e in results.failed]
         payload = (encoder.encode(results.outputs), failed, results.ended, calls_out)
-        conn.send(("results", payload, results.num_steps, events))
-        if hop_trace.enabled():
+        if hop_trace.enabled():  # before the send: the parent may act on it at once
             tokens = any(o.outputs and o.outputs[0].token_ids for o in results.outputs)
             hop_trace.hop("engine_sent_tokens" if tokens else "engine_sent")
+        conn.send(("results", payload, results.num_steps, events))
 
     try:
         while True:
@@ -385,10 +385,10 @@ class ProcessCore:
                     return
                 _, (deltas, failed, ended, calls), num_steps, events = message
                 decoder.forget(ended + [rid for rid, _ in failed])
-                if events:
-                    self._on_metrics(events)
                 results = Results(decoder.decode(deltas), failed, ended, calls, num_steps)
                 self._deliver(results)
+                if events:  # after the outputs: a second's metrics under load are thousands
+                    self._on_metrics(events)
         except (EOFError, OSError):
             self._process.join(5)
             self._on_dead(f"the engine process exited (code {self._process.exitcode})")

@@ -316,3 +316,53 @@ def test_a_gpu_engine_process_runs_one_cpu_thread_unless_told(device, omp, expec
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert int(result.stdout) == expected
+
+
+class _SlowSink:
+    """A metrics sink that takes 5 ms a call, as a slow exporter would."""
+
+    CALL_S = 0.005
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def _record(self, name: str, value: float, labels: dict) -> None:
+        time.sleep(self.CALL_S)
+        self.names.append(name)
+
+    inc = set = observe = _record
+
+
+def test_an_engine_process_s_metrics_neither_hold_up_outputs_nor_the_event_loop(monkeypatch):
+    import engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "METRICS_PER_TURN", 1)
+    eng = AsyncEngine.from_engine_args(max_model_len=256, max_num_seqs=8, engine_process=True)
+    sink = _SlowSink()
+
+    async def go() -> tuple[bool, int]:
+        eng.enable_metrics(sink)
+        await eng.stats()  # the engine process has switched its metrics on
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        async for _ in eng.generate(PROMPTS[0], params, "metered"):
+            pass
+        # The request's end comes with the metrics flushed at it (its latency among them),
+        # each 5 ms to record here.
+        recorded_first = "kvray_e2e_request_latency_seconds" in sink.names
+        ticks, deadline = 0, time.monotonic() + 10
+        while "kvray_e2e_request_latency_seconds" not in sink.names:
+            assert time.monotonic() < deadline, sink.names
+            await asyncio.sleep(0.001)
+            ticks += 1
+        return recorded_first, ticks
+
+    try:
+        recorded_first, ticks = asyncio.run(go())
+    finally:
+        eng.shutdown()
+    assert "kvray_time_to_first_token_seconds" in sink.names
+    assert sink.names.count("kvray_inter_token_latency_seconds") == 7
+    # The last output did not wait for the metrics that came with it...
+    assert not recorded_first
+    # ...nor did the event loop: it went on turning between them.
+    assert ticks >= 3
