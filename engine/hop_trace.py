@@ -11,8 +11,11 @@ test of one global.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+
+logger = logging.getLogger(__name__)
 
 _folder: str | None = os.environ.get("KVRAY_HOP_TRACE") or None
 _fd: int | None = None
@@ -30,11 +33,16 @@ def start(folder: str | None) -> None:
 
 
 def hop(label: str) -> None:
-    global _fd
+    global _folder, _fd
     if _folder is None:
         return
-    if _fd is None:
-        os.makedirs(_folder, exist_ok=True)
-        path = os.path.join(_folder, f"{os.getpid()}.log")
-        _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.write(_fd, f"{label} {os.getpid()} {time.monotonic_ns()}\n".encode())
+    try:
+        if _fd is None:
+            os.makedirs(_folder, exist_ok=True)
+            path = os.path.join(_folder, f"{os.getpid()}.log")
+            _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(_fd, f"{label} {os.getpid()} {time.monotonic_ns()}\n".encode())
+    except OSError as e:
+        # A diagnostic never fails a request: say so once and stop tracing.
+        logger.warning("hop traces stop: %s", e)
+        _folder = None

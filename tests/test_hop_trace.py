@@ -108,3 +108,16 @@ def test_start_and_stop_tracing_this_process(tmp_path):
     (log,) = tmp_path.glob("*.log")
     assert [line.split()[0] for line in log.read_text().splitlines()] == ["submit"]
     assert not hop_trace.enabled()
+
+
+def test_a_folder_it_cannot_write_stops_tracing_instead_of_failing(tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    hop_trace.start(str(blocked / "hops"))  # under a file: no folder can be made there
+    try:
+        hop_trace.hop("submit")
+        hop_trace.hop("reader_recv")
+        assert not hop_trace.enabled()
+    finally:
+        hop_trace.start(None)
+    assert [r.message for r in caplog.records if "hop traces stop" in r.message] != []
