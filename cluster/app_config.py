@@ -35,9 +35,8 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
     check_served_names,
-    served_name_list,
 )
-from engine.loader import default_model_name
+from engine.loader import served_names
 from engine.tokenizer import ChatInputError, check_template_kwargs, load_chat_template
 
 
@@ -309,9 +308,7 @@ class AppConfig(_AppConfigBase):
     def served_names(self) -> list[str]:
         """Every name a request's `model` may give this model; the first is the one
         responses carry (and metrics label)."""
-        return served_name_list(self.served_model_name) or [
-            default_model_name(self.model, self.load_format)
-        ]
+        return served_names(self.served_model_name, self.model, self.load_format)
 
     @property
     def served_name(self) -> str:

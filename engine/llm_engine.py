@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, UsageContext, served_name_list
+from engine.config import EngineConfig, UsageContext
 from engine.executor import Executor, PendingOutput, get_executor_class
 from engine.gc_pauses import frozen_heap
 from engine.generation_config import (
@@ -20,7 +20,7 @@ from engine.generation_config import (
     end_of_sequence_ids,
     read_generation_defaults,
 )
-from engine.loader import ModelSource, default_model_name, load_hf_config, resolve_model_source
+from engine.loader import ModelSource, load_hf_config, resolve_model_source, served_names
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
@@ -91,9 +91,10 @@ class LLMEngine:
         self.config = config
         self.hf_config = hf_config
         self.tokenizer = tokenizer
-        self.served_model_names = served_name_list(config.model.served_model_name) or [
-            default_model_name(config.model.model, config.model.load_format)
-        ]
+        model = config.model
+        self.served_model_names = served_names(
+            model.served_model_name, model.model, model.load_format
+        )
         self.model_name = self.served_model_names[0]
         executor_class = executor_class or get_executor_class(config)
         self.executor = executor_class(config, hf_config, source)

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
+from engine.config import served_name_list
 from engine.layers.norm import RMSNorm
 from engine.models.registry import architectures_of, get_model_class
 from engine.models.shapes import SHAPE_NAMES, get_shape_config
@@ -71,6 +72,14 @@ def default_model_name(model: str | None, load_format: str = "auto") -> str:
     if path.suffix == ".gguf" and _is_bundled(path):
         return BUNDLED_MODEL_NAME
     return path.name.removesuffix(".gguf")
+
+
+def served_names(
+    served_model_name: str | list[str] | None, model: str | None, load_format: str = "auto"
+) -> list[str]:
+    """Every name requests may give a model, the first the one responses carry (and metrics
+    label): its served_model_name's, else its default name."""
+    return served_name_list(served_model_name) or [default_model_name(model, load_format)]
 
 
 def _is_bundled(path: Path) -> bool:
