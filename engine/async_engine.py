@@ -23,6 +23,7 @@ from typing import Any
 from engine.core_loop import AbortOp, AddOp, CallOp, CoreLoop, Op, Results
 from engine.generation_config import GenerationDefaults
 from engine.hop_trace import hop
+from engine.metrics import BufferedSink
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_text
@@ -81,9 +82,11 @@ def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException | None]]) 
 class _ThreadCore:
     """The engine in a thread of this process: ops wait on a condition between steps."""
 
-    def __init__(self, engine: Any, deliver: Any, on_dead: Any) -> None:
+    def __init__(self, engine: Any, deliver: Any, on_dead: Any, on_metrics: Any) -> None:
         self.engine = engine
-        self._deliver, self._on_dead = deliver, on_dead
+        self._deliver, self._on_dead, self._on_metrics = deliver, on_dead, on_metrics
+        self.metrics: BufferedSink | None = None
+        """Where the engine records its metrics once they are on: handed on after outputs."""
         self._cond = threading.Condition()
         self._ops: list[Op] = []
         self._stopping = False
@@ -128,6 +131,10 @@ class _ThreadCore:
                     stepped = core.step()
                     self.step_started = None
                     self._deliver(stepped)
+                if self.metrics is not None:
+                    events = self.metrics.drain()
+                    if events:
+                        self._on_metrics(events)
                 has_work = core.has_work()
             self._on_dead("the engine was shut down")
         except BaseException as e:
@@ -166,7 +173,7 @@ class AsyncEngine:
         self._metrics_loop: asyncio.AbstractEventLoop | None = None
         if engine is not None:
             self.engine = engine
-            self._core: Any = _ThreadCore(engine, self._on_results, self._on_dead)
+            self._core: Any = _ThreadCore(engine, self._on_results, self._on_dead, self._replay)
             self._tokenizer = engine.tokenizer if hasattr(engine, "tokenizer") else None
         else:
             from engine.core_process import ProcessCore
@@ -256,18 +263,20 @@ class AsyncEngine:
     def enable_metrics(self, sink: Any) -> None:
         """Record engine metrics into `sink` (engine/metrics.py) from the next request on.
 
-        With an engine process, called on an event loop, that loop records them, a few
-        hundred at a time between its other work; else the thread that reads the engine's
-        outputs does, after delivering them."""
-        if self.in_process:
-            self.engine.enable_metrics(sink)
-            return
+        The engine loop only buffers them. Called on an event loop, that loop records them,
+        a few hundred at a time between its other work; else the thread that hands the
+        engine's outputs over does, after delivering them."""
         self._sink = sink
         try:
             self._metrics_loop = asyncio.get_running_loop()
         except RuntimeError:
             self._metrics_loop = None
-        self._submit(CallOp(next(self._call_ids), "enable_metrics"))
+        if self.in_process:
+            buffered = BufferedSink()
+            self._core.metrics = buffered
+            self._submit(CallOp(next(self._call_ids), "enable_metrics", (buffered,)))
+        else:
+            self._submit(CallOp(next(self._call_ids), "enable_metrics"))
 
     def check_health(self) -> None:
         """Raise if the engine loop is down or a rank of its executor has died."""
@@ -389,10 +398,11 @@ class AsyncEngine:
         self._reply(replies)
 
     def _replay(self, events: list) -> None:
-        """The engine process's metric events into the sink. A flush under load holds one
-        event per running request per step (thousands a second, a few microseconds each in
-        Ray's metrics): recorded on the reader thread they held up every stream's next
-        outputs; on the loop, in turns, they wait for the outputs instead."""
+        """The engine's metric events into the sink. A flush under load holds one event per
+        running request per step (thousands a second, a few microseconds each in Ray's
+        metrics): recorded on the engine's thread (or the engine process's reader thread)
+        they held up every stream's next outputs; on the loop, in turns, they wait for the
+        outputs instead."""
         sink, loop = self._sink, self._metrics_loop
         if sink is None:
             return

@@ -26,6 +26,7 @@ from typing import Any
 from engine import hop_trace
 from engine.core_loop import AddOp, CoreLoop, Op, Results
 from engine.gc_pauses import freeze_startup_heap
+from engine.metrics import BufferedSink
 from engine.outputs import CompletionOutput, RequestOutput
 
 # A delta of one request: (request_id, finished, num_cached_tokens, (prompt, prompt ids) on
@@ -173,35 +174,15 @@ class OutputDecoder:
             self._prompt_ids.pop(request_id, None)
 
 
-class _ForwardingSink:
-    """Metrics recorded in the engine process, replayed into the parent's sink."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, float, dict]] = []
-
-    def inc(self, name: str, value: float, labels) -> None:
-        self.events.append(("inc", name, value, dict(labels)))
-
-    def set(self, name: str, value: float, labels) -> None:
-        self.events.append(("set", name, value, dict(labels)))
-
-    def observe(self, name: str, value: float, labels) -> None:
-        self.events.append(("observe", name, value, dict(labels)))
-
-    def drain(self) -> list:
-        events, self.events = self.events, []
-        return events
-
-
 class _EngineProcessCalls:
     """Methods the parent may call in the engine process besides the engine's own."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.sink: _ForwardingSink | None = None
+        self.sink: BufferedSink | None = None
 
     def enable_metrics(self, flush_interval_s: float = 1.0) -> None:
-        self.sink = _ForwardingSink()
+        self.sink = BufferedSink()
         self.engine.enable_metrics(self.sink, flush_interval_s)
 
     def __getattr__(self, name: str) -> Any:

@@ -138,6 +138,30 @@ class MetricsSink(Protocol):
     def observe(self, name: str, value: float, labels: Mapping[str, str]) -> None: ...
 
 
+class BufferedSink:
+    """Observations kept as events for another thread or process to record (`drain`):
+    recording into an exporter (Ray's metrics: a few microseconds a call, thousands a
+    second under load) would otherwise hold up the engine loop that makes them."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, float, dict]] = []
+
+    def inc(self, name: str, value: float, labels: Mapping[str, str]) -> None:
+        self.events.append(("inc", name, value, dict(labels)))
+
+    def set(self, name: str, value: float, labels: Mapping[str, str]) -> None:
+        self.events.append(("set", name, value, dict(labels)))
+
+    def observe(self, name: str, value: float, labels: Mapping[str, str]) -> None:
+        self.events.append(("observe", name, value, dict(labels)))
+
+    def drain(self) -> list[tuple[str, str, float, dict]]:
+        """The events since the last drain, in order; `getattr(sink, kind)(name, value,
+        labels)` records one."""
+        events, self.events = self.events, []
+        return events
+
+
 class PrometheusSink:
     """prometheus-client metrics in their own registry (serve it with `start_http_server`).
 

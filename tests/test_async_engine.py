@@ -4,6 +4,7 @@ abort, and failure handling."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -325,24 +326,33 @@ class _SlowSink:
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        self.threads: set[int] = set()
 
     def _record(self, name: str, value: float, labels: dict) -> None:
         time.sleep(self.CALL_S)
         self.names.append(name)
+        self.threads.add(threading.get_ident())
 
     inc = set = observe = _record
 
 
-def test_an_engine_process_s_metrics_neither_hold_up_outputs_nor_the_event_loop(monkeypatch):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+def test_an_engine_s_metrics_neither_hold_up_outputs_nor_the_event_loop(
+    monkeypatch, engine_process
+):
+    """A thread-driven engine (a tensor/pipeline-parallel group) and an engine process
+    alike: the engine loop buffers its metrics, the event loop records them."""
     import engine.async_engine as async_engine
 
     monkeypatch.setattr(async_engine, "METRICS_PER_TURN", 1)
-    eng = AsyncEngine.from_engine_args(max_model_len=256, max_num_seqs=8, engine_process=True)
+    eng = AsyncEngine.from_engine_args(
+        max_model_len=256, max_num_seqs=8, engine_process=engine_process
+    )
     sink = _SlowSink()
 
     async def go() -> tuple[bool, int]:
         eng.enable_metrics(sink)
-        await eng.stats()  # the engine process has switched its metrics on
+        await eng.stats()  # the engine loop has switched its metrics on
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         async for _ in eng.generate(PROMPTS[0], params, "metered"):
             pass
@@ -364,5 +374,7 @@ def test_an_engine_process_s_metrics_neither_hold_up_outputs_nor_the_event_loop(
     assert sink.names.count("kvray_inter_token_latency_seconds") == 7
     # The last output did not wait for the metrics that came with it...
     assert not recorded_first
-    # ...nor did the event loop: it went on turning between them.
+    # ...nor did the event loop: it went on turning between them...
     assert ticks >= 3
+    # ...which recorded every one of them.
+    assert sink.threads == {threading.main_thread().ident}
