@@ -344,7 +344,7 @@ def test_an_engine_s_metrics_neither_hold_up_outputs_nor_the_event_loop(
     alike: the engine loop buffers its metrics, the event loop records them."""
     import engine.async_engine as async_engine
 
-    monkeypatch.setattr(async_engine, "METRICS_PER_TURN", 1)
+    monkeypatch.setattr(async_engine, "METRICS_SPREAD_S", 0.05)
     eng = AsyncEngine.from_engine_args(
         max_model_len=256, max_num_seqs=8, engine_process=engine_process
     )
@@ -378,3 +378,34 @@ def test_an_engine_s_metrics_neither_hold_up_outputs_nor_the_event_loop(
     assert ticks >= 3
     # ...which recorded every one of them.
     assert sink.threads == {threading.main_thread().ident}
+
+
+def test_a_batch_of_metric_events_is_recorded_a_few_at_a_time(monkeypatch):
+    """An idle engine's flush (a whole request's events at once) is spread over the ticks
+    of METRICS_SPREAD_S, in order, so the next request does not wait for all of it."""
+    import engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "METRICS_SPREAD_S", 1.0)
+    monkeypatch.setattr(async_engine, "METRICS_TICK_S", 0.1)  # 10 ticks a batch
+
+    class Sink:
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def observe(self, name: str, value: float, labels: dict) -> None:
+            self.values.append(value)
+
+    async def go() -> list[int]:
+        sink = Sink()
+        recorder = async_engine._SpreadRecorder(asyncio.get_running_loop(), sink)
+        recorder.add([("observe", "m", float(i), {}) for i in range(45)])
+        assert sink.values == []  # nothing at once
+        counts = []
+        while recorder._timer is not None:
+            recorder._timer.cancel()
+            recorder._tick()
+            counts.append(len(sink.values))
+        assert sink.values == [float(i) for i in range(45)]
+        return counts
+
+    assert asyncio.run(go()) == [5, 10, 15, 20, 25, 30, 35, 40, 45]
