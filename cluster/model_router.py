@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from engine.api.protocol import APIError
+from engine.api.protocol import APIError, model_not_found, quoted_names
 
 
 class ModelRouter:
@@ -41,20 +41,12 @@ class ModelRouter:
             if len(self.servers) == 1:
                 return next(iter(self.servers))
             raise APIError(
-                f"this server serves several models ({self._listed()}): name one in `model`",
+                f"this server serves several models ({quoted_names(self.aliases)}): name one in `model`",
                 param="model",
             )
         if model not in self.aliases:
-            raise APIError(
-                f"The model `{model}` does not exist (this server serves {self._listed()})",
-                404,
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model, self.aliases)
         return self.aliases[model]
-
-    def _listed(self) -> str:
-        return ", ".join(f"`{name}`" for name in self.aliases)
 
     def server(self, model: str | None) -> Any:
         return self.servers[self.name_for(model)]
@@ -77,13 +69,7 @@ class ModelRouter:
         for card in cards:
             if card["id"] == model_id:
                 return card
-        served = ", ".join(f"`{card['id']}`" for card in cards)
-        raise APIError(
-            f"The model `{model_id}` does not exist (this server serves {served})",
-            404,
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(model_id, (card["id"] for card in cards))
 
     async def healthy(self, timeout_s: float = 10) -> bool:
         """True when every model's server answers healthy within `timeout_s`."""

@@ -6,6 +6,7 @@ from these models so every front end serializes the same shapes.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -90,6 +91,21 @@ class APIError(Exception):
         if self.retry_after_s is None:
             return {}
         return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+def quoted_names(names: Iterable[str]) -> str:
+    """`a`, `b`: model names as error messages list them."""
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def model_not_found(model: str, served: Iterable[str]) -> APIError:
+    """OpenAI's 404 for a model this server does not serve, naming those it does."""
+    return APIError(
+        f"The model `{model}` does not exist (this server serves {quoted_names(served)})",
+        404,
+        param="model",
+        code="model_not_found",
+    )
 
 
 def validation_error(e: ValidationError) -> APIError:

@@ -40,6 +40,7 @@ from engine.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
+    model_not_found,
 )
 from engine.api.reasoning import ReasoningUse, end_token_ids, reasoning_use
 from engine.api.reasoning_parsers import REASONING_PARSERS
@@ -279,13 +280,7 @@ class OpenAIServing:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
-            served = ", ".join(f"`{name}`" for name in self.model_names)
-            raise APIError(
-                f"The model `{model}` does not exist (this server serves {served})",
-                404,
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model, self.model_names)
 
     async def _encode_prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompt = request.prompt
