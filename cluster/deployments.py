@@ -24,6 +24,7 @@ accounting, never sent to the client).
 import asyncio
 import contextvars
 import importlib.metadata
+import re
 import time
 from typing import Any
 
@@ -66,6 +67,17 @@ _REQUEST_TYPES = {
     "tokenize": TokenizeRequest,
     "detokenize": DetokenizeRequest,
 }
+
+
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")
+
+
+def client_request_id(headers: Any) -> str | None:
+    """The request's X-Request-Id (vLLM's: response ids carry it; Serve's direct ingress
+    sets one where the client gave none, and answers with it), if it is printable ASCII
+    without spaces, at most 128 characters; else None."""
+    value = headers.get("x-request-id")
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
 
 
 def make_engine(config: AppConfig) -> Any:
@@ -299,6 +311,7 @@ class OpenAIIngress:
             lease = await self._acquire(tenant.name)
             timeout = tenant.config.request_timeout_s or self.config.request_timeout_s
             ctx = RequestContext(
+                request_id=client_request_id(request.headers),
                 priority=tenant.config.priority,
                 cache_salt=tenant.cache_salt,
                 deadline=None if timeout is None else received + timeout,

@@ -72,7 +72,13 @@ class ScriptedEngine:
 
     async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None):
         self.calls.append(
-            dict(prompt=prompt, params=sampling_params, priority=priority, cache_salt=cache_salt)
+            dict(
+                prompt=prompt,
+                params=sampling_params,
+                priority=priority,
+                cache_salt=cache_salt,
+                request_id=request_id,
+            )
         )
         finished = False
         self.num_requests += 1
@@ -843,6 +849,23 @@ def test_any_served_name_is_taken_and_responses_carry_the_first(tokenizer):
         asyncio.run(serving.create_completion(_completion(model="other", max_tokens=1)))
     assert refused.value.status_code == 404
     assert "`main`, `alias`" in refused.value.message
+
+
+def test_a_client_s_request_id_names_its_responses_and_engine_ids_stay_unique(tokenizer):
+    serving, engine = _serving(tokenizer)
+    ctx = RequestContext(request_id="trace-7")
+    completion = asyncio.run(serving.create_completion(_completion(max_tokens=1, n=2), ctx))
+    chat = asyncio.run(serving.create_chat_completion(_chat(max_tokens=1), ctx))
+    streamed = _stream(serving.create_completion, _completion(max_tokens=2, stream=True), ctx)
+    assert completion.id == "cmpl-trace-7"
+    assert chat.id == "chatcmpl-trace-7"
+    assert {event["id"] for event in streamed if isinstance(event, dict)} == {"cmpl-trace-7"}
+    # The same id again (a retry while the first still runs) is no clash in the engine.
+    engine_ids = [call["request_id"] for call in engine.calls]
+    assert len(set(engine_ids)) == len(engine_ids) == 3
+    # Without one, each response gets an id of its own.
+    ids = {asyncio.run(serving.create_completion(_completion(max_tokens=1))).id for _ in "ab"}
+    assert len(ids) == 2 and all(i.startswith("cmpl-") for i in ids)
 
 
 def test_priority_never_beats_the_tenant_and_salt_passes_through(tokenizer):

@@ -248,3 +248,37 @@ def test_stats_name_the_model_when_several_are_served():
 
     _, ingress = _serve(TWO, _hosts(), [])
     assert asyncio.run(ask(ingress)) == ({"model": "Big"}, {"model": "small"})
+
+
+@pytest.mark.parametrize(
+    "header, seen",
+    [("trace-7", "trace-7"), (None, None), ("two words", None), ("x" * 129, None)],
+)
+def test_a_client_s_x_request_id_reaches_the_server(header, seen):
+    """vLLM's habit: the response ids carry the client's X-Request-Id (when it is a plain
+    token); the server makes them of the request context's id."""
+    host = _FakeHost("small", 256)
+    contexts = []
+    generate = host.generate
+
+    async def recording(kind, request, ctx):
+        contexts.append(ctx)
+        async for item in generate(kind, request, ctx):
+            yield item
+
+    host.generate = recording
+    ingress_class = OpenAIIngress.func_or_class.__bases__[0]
+
+    async def go() -> int:
+        ingress = ingress_class.__new__(ingress_class)
+        args = {"served_model_name": "small", "max_model_len": 256}
+        await ingress_class.__init__(ingress, LocalServer(host, 8), load_app_config(args))
+        transport = httpx.ASGITransport(app=ingress.__serve_build_asgi_app__())
+        headers = {} if header is None else {"X-Request-Id": header}
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvray") as client:
+            body = {"model": "small", "prompt": "x"}
+            response = await client.post("/v1/completions", json=body, headers=headers)
+        return response.status_code
+
+    assert asyncio.run(go()) == 200
+    assert [ctx.request_id for ctx in contexts] == [seen]

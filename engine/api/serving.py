@@ -75,6 +75,7 @@ class RequestContext:
     """What the front end decided about a request before it reached the engine."""
 
     request_id: str | None = None
+    """The client's id of the request (its X-Request-Id): response ids are made of it."""
     priority: int = 0
     """The tenant's priority: a request may ask for a larger (later) value, never smaller."""
     cache_salt: str | None = None
@@ -397,11 +398,14 @@ class OpenAIServing:
         """`fmt`: a completion's; None for a chat. `tools`: what a chat's tools ask of it;
         `reasoning`: how its output splits into thought and content."""
         chat = fmt is None
-        response_id = ctx.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{ctx.request_id or uuid.uuid4().hex}"
+        # A client's id may come again while its first request runs (a retry): the engine's
+        # ids stay unique.
+        engine_id = response_id if ctx.request_id is None else f"{response_id}-{uuid.uuid4().hex}"
         priority = ctx.priority if request.priority is None else max(ctx.priority, request.priority)
         salt = prefix_cache_salt(ctx.cache_salt, request.cache_salt)
         gens = [
-            self.engine.generate(ids, sp, f"{response_id}-{i}", priority, salt)
+            self.engine.generate(ids, sp, f"{engine_id}-{i}", priority, salt)
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         deadline = loop_deadline(ctx.deadline)
