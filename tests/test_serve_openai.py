@@ -71,8 +71,10 @@ def client(served):
     return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="key-alice", max_retries=0)
 
 
-def _post(url: str, path: str, body, key: str | None = "key-alice", timeout=60) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+def _post(
+    url: str, path: str, body, key: str | None = "key-alice", timeout=60, headers=None
+) -> httpx.Response:
+    headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     content = body if isinstance(body, str | bytes) else json.dumps(body)
     return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=timeout)
 
@@ -112,6 +114,17 @@ def test_completions_match_offline_llm_stream_or_not(served, client):
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_a_response_s_id_carries_its_x_request_id(served):
+    url, _ = served
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    named = _post(url, "/v1/completions", body, headers={"X-Request-Id": "trace-42"})
+    assert named.json()["id"] == "cmpl-trace-42"
+    assert named.headers["x-request-id"] == "trace-42"
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+    unnamed = _post(url, "/v1/chat/completions", chat)
+    assert unnamed.json()["id"] == f"chatcmpl-{unnamed.headers['x-request-id']}"
 
 
 def test_chat_matches_offline_llm_and_counts_usage(served, client):
