@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Discriminator,
     Field,
-    SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
-    model_serializer,
 )
 
 from engine.sampling_params import MAX_LOGPROBS
@@ -374,19 +372,15 @@ class PromptLogprob(_Response):
     decoded_token: str
 
 
-class _OmitsUnasked(_Response):
-    """A body whose fields named in `_omitted_when_none` stay out of the JSON while None:
-    what a request did not ask for is not there, as in OpenAI's and vLLM's bodies."""
+def _is_none(value: Any) -> bool:
+    return value is None
 
-    _omitted_when_none: ClassVar[tuple[str, ...]] = ()
 
-    @model_serializer(mode="wrap")
-    def _omit_unasked(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        for name in self._omitted_when_none:
-            if getattr(self, name, None) is None:
-                data.pop(name, None)
-        return data
+def _left_out_while_none() -> Any:
+    """A field that stays out of the JSON while None: what a request did not ask for is not
+    there, as in OpenAI's and vLLM's bodies. (Per field, so serialization stays in
+    pydantic's core: a model serializer in Python made a chat chunk 2.6x slower to write.)"""
+    return Field(default=None, exclude_if=_is_none)
 
 
 class PromptTokensDetails(_Response):
@@ -394,34 +388,25 @@ class PromptTokensDetails(_Response):
     """Prompt tokens whose KV came from the prefix cache."""
 
 
-class UsageInfo(_OmitsUnasked):
+class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None = _left_out_while_none()
     """OpenAI's; on a server started with enable_prompt_tokens_details (vLLM's key)."""
 
-    _omitted_when_none = ("prompt_tokens_details",)
 
-
-class _WithPromptFields(_OmitsUnasked):
-    """A body with vLLM's prompt_logprobs and token ids (fields of the subclass, so that
-    they stay last in the JSON), left out of the JSON unless asked for."""
-
-    _omitted_when_none = ("prompt_logprobs", "prompt_token_ids", "token_ids")
-
-
-class CompletionChoice(_WithPromptFields):
+class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = _left_out_while_none()
     """vLLM's: per prompt token (None for the first), token id -> its logprob, for the prompt
     token and the top-N."""
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = _left_out_while_none()
     """vLLM's, with return_token_ids (streamed: on the choice's first chunk)."""
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = _left_out_while_none()
     """vLLM's, with return_token_ids: the generated ids (streamed: those new in the chunk)."""
 
 
@@ -460,43 +445,41 @@ class ToolCall(_Response):
     function: FunctionCall
 
 
-class ChatResponseMessage(_OmitsUnasked):
+class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
     """None when the output was tool calls alone (or, with a reasoning parser, a thought
     alone)."""
-    reasoning: str | None = None
+    reasoning: str | None = _left_out_while_none()
     """vLLM's, with a reasoning_parser: the model's thought (between <think> and </think>)."""
-    reasoning_content: str | None = None
+    reasoning_content: str | None = _left_out_while_none()
     """vLLM's older name of `reasoning`, sent beside it."""
-    tool_calls: list[ToolCall] | None = None
-
-    _omitted_when_none = ("reasoning", "reasoning_content", "tool_calls")
+    tool_calls: list[ToolCall] | None = _left_out_while_none()
 
 
-class ChatChoice(_WithPromptFields):
+class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = _left_out_while_none()
     """vLLM's, with return_token_ids: the generated ids, stop token included."""
 
 
-class ChatCompletionResponse(_WithPromptFields):
+class ChatCompletionResponse(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = _left_out_while_none()
     """vLLM's, as on a completion's choice."""
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = _left_out_while_none()
     """vLLM's, with return_token_ids."""
 
 
-class ChatChunkChoice(_WithPromptFields):
+class ChatChunkChoice(_Response):
     index: int
     delta: dict[str, Any]
     """{"role": "assistant", "content": ""} first, then {"content": ...} (or {"tool_calls":
@@ -505,18 +488,18 @@ class ChatChunkChoice(_WithPromptFields):
     while the model thinks), then {} with the finish reason."""
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = _left_out_while_none()
     """vLLM's, with return_token_ids: the ids generated since the choice's last chunk."""
 
 
-class ChatCompletionChunk(_WithPromptFields):
+class ChatCompletionChunk(_Response):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = _left_out_while_none()
     """vLLM's, with return_token_ids: on the stream's first chunk."""
 
 
