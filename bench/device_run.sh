@@ -27,6 +27,8 @@
 # decode-caps: in process, llama3-8b, Poisson 16 req/s (two seeds) and 500 at once with
 #          max_prefill_tokens_with_decodes 0 (off), 512 and 1024 (or $DECODE_CAPS)
 # wakeups: bench.wakeups (a pipe round trip and a prompt's encoding after idle gaps)
+# encode-placement: bench.encode_placement (a prompt's encoding by the thread that loaded
+#          the tokenizer and the one that encodes, malloc's settings, in a Ray actor)
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
 # tp-nosp: the TP=2 1000 x 1024/128 run with sequence parallel off (all-reduce only)
 # profile: qwen3-0.6b mixed workload step by step, llama3-8b batch-1
@@ -104,6 +106,8 @@ for s in "$@"; do
         stage allreduce-shared 120 python -m bench.allreduce --shared-devices
         cat "$out"/allreduce-*.log ;;
     wakeups) stage wakeups 120 python -m bench.wakeups --record ;;
+    encode-placement) stage encode-placement 240 python -m bench.encode_placement --ray --record
+        grep -v '^{' "$out/encode-placement.log" ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
