@@ -106,7 +106,7 @@ for s in "$@"; do
         stage allreduce-shared 120 python -m bench.allreduce --shared-devices
         cat "$out"/allreduce-*.log ;;
     wakeups) stage wakeups 120 python -m bench.wakeups --record ;;
-    encode-placement) stage encode-placement 240 python -m bench.encode_placement --ray --record
+    encode-placement) stage encode-placement 420 python -m bench.encode_placement --ray --record
         grep -v '^{' "$out/encode-placement.log" ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
     offline)
