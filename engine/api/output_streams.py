@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -15,23 +16,74 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import StructuredOutputError
 
 
-def loop_deadline(deadline: float | None) -> float | None:
-    """A wall-clock deadline (time.time()) on the running loop's clock."""
-    if deadline is None:
-        return None
-    return asyncio.get_running_loop().time() + (deadline - time.time())
+class TimeLimit:
+    """A request's time limit (request_timeout_s): one timer for the request's whole life.
+
+    `asyncio.timeout` around each wait for an output scheduled and cancelled a timer per
+    output, about 8 us each on the serving loop (a token at a time, for every stream).
+    Here the timer is set once; when it fires while the request's task waits in
+    `next_output`, it cancels that wait, as `asyncio.timeout` does, and the wait becomes a
+    408; a later `next_output` gives the 408 at once.
+    """
+
+    def __init__(self, deadline: float | None) -> None:
+        """`deadline`: wall-clock time (time.time()), None for no limit."""
+        self.expired = False
+        self._waiter: asyncio.Task | None = None
+        self._cancelling = 0
+        self._timer: asyncio.TimerHandle | None = None
+        if deadline is not None:
+            loop = asyncio.get_running_loop()
+            # The timer holds the limit weakly: a request dropped unread leaves no more
+            # than the timer itself behind.
+            self._timer = loop.call_at(
+                loop.time() + (deadline - time.time()), _expire, weakref.ref(self)
+            )
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self._waiter is not None:
+            self._waiter.cancel()
+
+    def cancel(self) -> None:
+        """The request is over: drop the timer."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def wait(self, outputs: AsyncIterator) -> Any:
+        """anext(outputs), or TimeoutError once the limit has passed."""
+        if self._timer is None and not self.expired:
+            return await anext(outputs)
+        if self.expired:
+            raise TimeoutError
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiter, self._cancelling = task, task.cancelling()
+        try:
+            return await anext(outputs)
+        except asyncio.CancelledError:
+            # Ours only if the limit fired and no one else cancelled the task meanwhile.
+            if self.expired and task.uncancel() <= self._cancelling:
+                raise TimeoutError from None
+            raise
+        finally:
+            self._waiter = None
+
+
+def _expire(limit: weakref.ref) -> None:
+    target = limit()
+    if target is not None:
+        target._expire()
 
 
 async def next_output(
-    outputs: AsyncIterator, deadline: float | None, structured: str = "response_format"
+    outputs: AsyncIterator, limit: TimeLimit, structured: str = "response_format"
 ) -> Any:
     """The next item, None at the end; engine errors become APIErrors (a structured output
     the engine refuses names the request's field `structured`)."""
     try:
-        if deadline is None:
-            return await anext(outputs)
-        async with asyncio.timeout_at(deadline):
-            return await anext(outputs)
+        return await limit.wait(outputs)
     except StopAsyncIteration:
         return None
     except TimeoutError:

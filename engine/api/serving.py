@@ -26,7 +26,7 @@ from engine.api.inputs import (
     to_sampling_params,
 )
 from engine.api.logprobs import TokenIdText, TokenText
-from engine.api.output_streams import loop_deadline, merge_streams, next_output
+from engine.api.output_streams import TimeLimit, merge_streams, next_output
 from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -408,7 +408,7 @@ class OpenAIServing:
             self.engine.generate(ids, sp, f"{engine_id}-{i}", priority, salt)
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))
         ]
-        deadline = loop_deadline(ctx.deadline)
+        limit = TimeLimit(ctx.deadline)
         outputs = merge_streams(gens)
         # A grammar that does not compile fails the first output: name the field it came in.
         if tools is not None and tools.structured_output is not None:
@@ -418,21 +418,25 @@ class OpenAIServing:
         else:
             structured = "structured_outputs"
         try:
-            first = await next_output(outputs, deadline, structured)
+            first = await next_output(outputs, limit, structured)
         except BaseException:
+            limit.cancel()
             await outputs.aclose()
             raise
         prompt_lens = [len(ids) for ids in prompts]
         if request.stream:
             return self._stream(
-                request, outputs, first, deadline, response_id, prompt_lens, fmt, tools, reasoning
+                request, outputs, first, limit, response_id, prompt_lens, fmt, tools, reasoning
             )
         async with aclosing(outputs):
             finals: dict[int, RequestOutput] = {}
             item = first
-            while item is not None:
-                finals[item[0]] = item[1]
-                item = await next_output(outputs, deadline)
+            try:
+                while item is not None:
+                    finals[item[0]] = item[1]
+                    item = await next_output(outputs, limit)
+            finally:
+                limit.cancel()
         final = [finals[i] for i in range(len(prompts))]
         if chat:
             usage = usage_of(prompt_lens, final, cached_details=self.prompt_tokens_details)
@@ -457,7 +461,7 @@ class OpenAIServing:
         request: CompletionRequest | ChatCompletionRequest,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         first: tuple[int, RequestOutput],
-        deadline: float | None,
+        limit: TimeLimit,
         response_id: str,
         prompt_lens: list[int],
         fmt: CompletionFormat | None,
@@ -504,11 +508,13 @@ class OpenAIServing:
                         text = tracker.chunks(output, prompt_index=i)
                         if text:
                             yield text
-                        item = await next_output(outputs, deadline)
+                        item = await next_output(outputs, limit)
                 except APIError as e:
                     yield sse_error(e.to_response().model_dump())
                     yield DONE
                     return
+                finally:
+                    limit.cancel()
             result.usage = usage_of(prompt_lens, list(latest.values()), echo_only, details)
             if include_usage:
                 yield tracker.usage_chunk(result.usage)
