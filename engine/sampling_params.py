@@ -257,10 +257,12 @@ class SamplingParams:
 
 
 def _int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
-    # bool is an int subclass; `max_tokens=True` is a caller bug, not 1.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
+    # An exact int skips the ABC check (microseconds a request); bool is an int subclass,
+    # and `max_tokens=True` is a caller bug, not 1.
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        value = int(value)
     if lo is not None and hi is not None and not lo <= value <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
     if lo is not None and value < lo:
@@ -271,9 +273,10 @@ def _int(name: str, value: object, lo: int | None = None, hi: int | None = None)
 
 
 def _float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    if type(value) is not float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
     return value
