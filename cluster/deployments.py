@@ -345,7 +345,8 @@ class OpenAIIngress:
         limit = self.config.max_request_body_bytes
         too_large = APIError(f"request body is larger than {limit} bytes", 413)
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
+        # isdecimal() alone passes non-ASCII digits that int() may refuse ("²").
+        if length is not None and length.isascii() and length.isdecimal() and int(length) > limit:
             raise too_large
         body = bytearray()
         async for chunk in request.stream():

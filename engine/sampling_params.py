@@ -321,7 +321,8 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
         )
     checked = {}
     for token, value in bias.items():
-        token = _int("logit_bias token id", token, lo=0)
+        # Within int64: the ids become an int64 array (the engine checks the vocabulary).
+        token = _int("logit_bias token id", token, lo=0, hi=2**63 - 1)
         value = _float("logit_bias value", value)
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValueError(

@@ -282,3 +282,34 @@ def test_a_client_s_x_request_id_reaches_the_server(header, seen):
 
     assert asyncio.run(go()) == 200
     assert [ctx.request_id for ctx in contexts] == [seen]
+
+
+@pytest.mark.parametrize("length", ["²", "1e9", "-5"])
+def test_a_content_length_that_is_no_plain_number_is_not_a_500(length):
+    """Only ASCII digits count as a declared body size; the body itself is still bounded."""
+    host = _FakeHost("small", 256)
+    ingress_class = OpenAIIngress.func_or_class.__bases__[0]
+
+    async def go() -> int:
+        ingress = ingress_class.__new__(ingress_class)
+        args = {"served_model_name": "small", "max_model_len": 256}
+        await ingress_class.__init__(ingress, LocalServer(host, 8), load_app_config(args))
+        body = json.dumps({"model": "small", "prompt": "x"}).encode()
+        scope = {
+            "type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", length.encode("latin-1"))],
+            "query_string": b"", "http_version": "1.1", "scheme": "http",
+        }  # fmt: skip
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await ingress.__serve_build_asgi_app__()(scope, receive, send)
+        return sent[0]["status"]
+
+    assert asyncio.run(go()) == 200

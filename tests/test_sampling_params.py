@@ -97,6 +97,7 @@ def test_survives_pickling():
         ({"logit_bias": {7: 100.5}}, "logit_bias"),
         ({"logit_bias": {7: float("inf")}}, "logit_bias"),
         ({"logit_bias": {7: "up"}}, "logit_bias"),
+        ({"logit_bias": {2**63: 1.0}}, "logit_bias"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(kwargs, field):

@@ -176,6 +176,13 @@ def _calls_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
 
 
 def _check_parameters(schema: dict[str, Any], param: str) -> None:
+    dialect = schema.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):
+        # jsonschema looks the dialect up by its URI and fails on anything else.
+        raise APIError(
+            f"{param}.$schema must be a URI string, got {type(dialect).__name__}",
+            param=f"{param}.$schema",
+        )
     try:
         validators.validator_for(schema).check_schema(schema)
     except SchemaError as e:
