@@ -30,7 +30,6 @@ class TimeLimit:
         """`deadline`: wall-clock time (time.time()), None for no limit."""
         self.expired = False
         self._waiter: asyncio.Task | None = None
-        self._cancelling = 0
         self._timer: asyncio.TimerHandle | None = None
         if deadline is not None:
             loop = asyncio.get_running_loop()
@@ -53,18 +52,19 @@ class TimeLimit:
 
     async def wait(self, outputs: AsyncIterator) -> Any:
         """anext(outputs), or TimeoutError once the limit has passed."""
-        if self._timer is None and not self.expired:
-            return await anext(outputs)
         if self.expired:
             raise TimeoutError
+        if self._timer is None:
+            return await anext(outputs)
         task = asyncio.current_task()
         assert task is not None
-        self._waiter, self._cancelling = task, task.cancelling()
+        cancelling = task.cancelling()
+        self._waiter = task
         try:
             return await anext(outputs)
         except asyncio.CancelledError:
             # Ours only if the limit fired and no one else cancelled the task meanwhile.
-            if self.expired and task.uncancel() <= self._cancelling:
+            if self.expired and task.uncancel() <= cancelling:
                 raise TimeoutError from None
             raise
         finally:
