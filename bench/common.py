@@ -135,6 +135,14 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def read_setting(path: str) -> str:
+    """A /sys or /proc file's text, "absent" where the machine has none."""
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return "absent"
+
+
 def emit(result: dict, record: bool) -> None:
     result = {
         "date": datetime.date.today().isoformat(),

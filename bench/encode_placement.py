@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import emit
+from bench.common import emit, read_setting
 
 GAPS_S = {"50ms": (0.05, 40), "600ms": (0.6, 10)}
 HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
@@ -66,8 +66,8 @@ def _huge_pages_kb() -> int:
     return -1
 
 
-def _measure(tokenizer, sleep) -> dict:
-    """Medians (us) of encoding distinct prompts after each gap; `sleep(s)` idles."""
+async def _measure(tokenizer, sleep) -> dict:
+    """Medians (us) of encoding distinct prompts after each gap; `await sleep(s)` idles."""
     from engine.tokenizer import encode_text
 
     prompts = iter(_prompts(200))
@@ -78,7 +78,7 @@ def _measure(tokenizer, sleep) -> dict:
         times, faults = [], 0
         for _ in range(repeats):
             text = next(prompts)
-            sleep(gap)
+            await sleep(gap)
             before = _faults()
             start = time.perf_counter()
             encode_text(tokenizer, text)
@@ -86,7 +86,13 @@ def _measure(tokenizer, sleep) -> dict:
             faults += _faults() - before
         result[f"encode_us_after_{name}"] = round(statistics.median(times) * 1e6, 1)
         result[f"page_faults_per_encode_after_{name}"] = round(faults / repeats, 1)
+    result["anon_huge_pages_kb"] = _huge_pages_kb()
     return result
+
+
+async def _blocking_sleep(seconds: float) -> None:
+    """The plain cases' idle: the encoding thread sleeps outright, no event loop turns."""
+    time.sleep(seconds)
 
 
 def _faults() -> int:
@@ -105,9 +111,7 @@ def _on(where: str, fn, *args):
 
 def run_case(folder: str, load_on: str, encode_on: str) -> dict:
     tokenizer = _on(load_on, _load, folder)
-    result = _on(encode_on, _measure, tokenizer, time.sleep)
-    result["anon_huge_pages_kb"] = _huge_pages_kb()
-    return result
+    return _on(encode_on, asyncio.run, _measure(tokenizer, _blocking_sleep))
 
 
 def run_ray_actor(folder: str, env: dict) -> dict:
@@ -123,42 +127,12 @@ def run_ray_actor(folder: str, env: dict) -> dict:
             self.tokenizer = await asyncio.to_thread(_load, folder)
 
         async def measure(self) -> dict:
-            return await _measure_on_loop(self.tokenizer)
+            return await _measure(self.tokenizer, asyncio.sleep)
 
     actor = Encoder.remote(folder)
     result = ray.get(actor.measure.remote())
     ray.shutdown()
     return result
-
-
-async def _measure_on_loop(tokenizer) -> dict:
-    from engine.tokenizer import encode_text
-
-    prompts = iter(_prompts(200))
-    for _ in range(20):
-        encode_text(tokenizer, next(prompts))
-    result = {}
-    for name, (gap, repeats) in GAPS_S.items():
-        times, faults = [], 0
-        for _ in range(repeats):
-            text = next(prompts)
-            await asyncio.sleep(gap)
-            before = _faults()
-            start = time.perf_counter()
-            encode_text(tokenizer, text)
-            times.append(time.perf_counter() - start)
-            faults += _faults() - before
-        result[f"encode_us_after_{name}"] = round(statistics.median(times) * 1e6, 1)
-        result[f"page_faults_per_encode_after_{name}"] = round(faults / repeats, 1)
-    result["anon_huge_pages_kb"] = _huge_pages_kb()
-    return result
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return "absent"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = str(write_word_tokenizer(Path(tempfile.mkdtemp()) / "tok"))
     result: dict = {
         "bench": "encode_placement",
-        "transparent_hugepage": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "transparent_hugepage": read_setting("/sys/kernel/mm/transparent_hugepage/enabled"),
         "glibc": os.confstr("CS_GNU_LIBC_VERSION"),
     }
     cases = list(CASES) + (list(RAY_CASES) if args.ray else [])

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import emit
+from bench.common import emit, read_setting
 
 GAPS_S = (0.0, 0.05, 0.6)
 
@@ -42,13 +42,6 @@ def _timed(step, gap_s: float, repeats: int) -> float:
         step()
         times.append(time.perf_counter() - start)
     return round(statistics.median(times) * 1e6, 1)
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return "absent"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
 
     result: dict = {
         "bench": "wakeups",
-        "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
-        "cpuidle_governor": _read("/sys/devices/system/cpu/cpuidle/current_governor_ro"),
+        "cpuidle_driver": read_setting("/sys/devices/system/cpu/cpuidle/current_driver"),
+        "cpuidle_governor": read_setting("/sys/devices/system/cpu/cpuidle/current_governor_ro"),
         "cpus": multiprocessing.cpu_count(),
     }
     for _ in range(50):  # warm both
