@@ -77,19 +77,26 @@ def _outside_serve(monkeypatch):
 
 
 CHAT = [{"role": "user", "content": "x"}]
-TWO = {"models": [{"served_model_name": "small", "max_model_len": 256}, {"model": "/m/Big"}]}
+SMALL = {"served_model_name": "small", "max_model_len": 256}
+TWO = {"models": [SMALL, {"model": "/m/Big"}]}
+
+
+async def _ingress(args: dict, server: LocalServer | dict[str, LocalServer]) -> Any:
+    """The ingress of `args` over `server` (one, or one per model), built outside Serve."""
+    ingress_class = OpenAIIngress.func_or_class.__bases__[0]  # under Serve's ASGI wrapper
+    ingress = ingress_class.__new__(ingress_class)
+    await ingress_class.__init__(ingress, server, load_app_config(args))
+    return ingress
 
 
 def _serve(args: dict, hosts: dict[str, _FakeHost], requests: list[tuple], single=False):
     """Build the ingress over `hosts` and send `requests` ((method, path, json body));
     returns the responses and the ingress."""
-    ingress_class = OpenAIIngress.func_or_class.__bases__[0]  # under Serve's ASGI wrapper
 
     async def go():
         servers = {name: LocalServer(host, 8) for name, host in hosts.items()}
-        ingress = ingress_class.__new__(ingress_class)
         only = next(iter(servers.values()))
-        await ingress_class.__init__(ingress, only if single else servers, load_app_config(args))
+        ingress = await _ingress(args, only if single else servers)
         transport = httpx.ASGITransport(app=ingress.__serve_build_asgi_app__())
         async with httpx.AsyncClient(transport=transport, base_url="http://kvray") as client:
             responses = [await client.request(m, p, json=body) for m, p, body in requests]
@@ -267,12 +274,9 @@ def test_a_client_s_x_request_id_reaches_the_server(header, seen):
             yield item
 
     host.generate = recording
-    ingress_class = OpenAIIngress.func_or_class.__bases__[0]
 
     async def go() -> int:
-        ingress = ingress_class.__new__(ingress_class)
-        args = {"served_model_name": "small", "max_model_len": 256}
-        await ingress_class.__init__(ingress, LocalServer(host, 8), load_app_config(args))
+        ingress = await _ingress(SMALL, LocalServer(host, 8))
         transport = httpx.ASGITransport(app=ingress.__serve_build_asgi_app__())
         headers = {} if header is None else {"X-Request-Id": header}
         async with httpx.AsyncClient(transport=transport, base_url="http://kvray") as client:
@@ -288,12 +292,9 @@ def test_a_client_s_x_request_id_reaches_the_server(header, seen):
 def test_a_content_length_that_is_no_plain_number_is_not_a_500(length):
     """Only ASCII digits count as a declared body size; the body itself is still bounded."""
     host = _FakeHost("small", 256)
-    ingress_class = OpenAIIngress.func_or_class.__bases__[0]
 
     async def go() -> int:
-        ingress = ingress_class.__new__(ingress_class)
-        args = {"served_model_name": "small", "max_model_len": 256}
-        await ingress_class.__init__(ingress, LocalServer(host, 8), load_app_config(args))
+        ingress = await _ingress(SMALL, LocalServer(host, 8))
         body = json.dumps({"model": "small", "prompt": "x"}).encode()
         scope = {
             "type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
