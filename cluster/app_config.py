@@ -102,6 +102,9 @@ class ServeOptions(BaseModel):
     """A request still running after this long is aborted (its KV freed) with a 408."""
     max_request_body_bytes: int = Field(default=8 << 20, gt=0)
     """Larger request bodies get 413 before they are read."""
+    max_completion_prompts: int = Field(default=1024, gt=0)
+    """vLLM's VLLM_MAX_COMPLETION_PROMPTS: a completion request's most prompts (each is an
+    engine request of its own, n sequences each); a longer list is a 400."""
     engine_process: bool | None = None
     """Run the engine in a process of its own beside the replica's; default: on one GPU."""
     enable_auto_tool_choice: bool = False

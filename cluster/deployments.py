@@ -337,9 +337,24 @@ class OpenAIIngress:
         """The body as `kind`'s request model; APIError (413, 400 naming the field) if not."""
         body = await self._read_body(request)
         try:
-            return _REQUEST_TYPES[kind].model_validate_json(body)
+            parsed = _REQUEST_TYPES[kind].model_validate_json(body)
         except ValidationError as e:
             raise validation_error(e) from None
+        if kind == "completion":
+            self._check_prompt_count(parsed.prompt)
+        return parsed
+
+    def _check_prompt_count(self, prompt: Any) -> None:
+        # A list of token ids is one prompt; a list of strings or of id lists is several.
+        if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+            return
+        limit = self.config.max_completion_prompts
+        if len(prompt) > limit:
+            raise APIError(
+                f"prompt holds {len(prompt)} prompts; this server takes at most {limit} in "
+                "one request (max_completion_prompts)",
+                param="prompt",
+            )
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_request_body_bytes

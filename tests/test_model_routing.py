@@ -314,3 +314,29 @@ def test_a_content_length_that_is_no_plain_number_is_not_a_500(length):
         return sent[0]["status"]
 
     assert asyncio.run(go()) == 200
+
+
+@pytest.mark.parametrize(
+    "prompt, accepted",
+    [(["a"] * 3, True), (["a"] * 4, False), ([[1]] * 4, False), ([1] * 4, True)],
+)
+def test_a_completion_of_more_prompts_than_max_completion_prompts_is_a_400(prompt, accepted):
+    """Each prompt of a list is an engine request of its own: the list is bounded before any
+    reaches the engine (a list of token ids is one prompt)."""
+    host = _FakeHost("small", 256)
+    args = {**SMALL, "max_completion_prompts": 3}
+    body = {"model": "small", "prompt": prompt}
+    (response,), _ = _serve(args, {"small": host}, [("POST", "/v1/completions", body)])
+    if accepted:
+        assert response.status_code == 200
+        assert host.asked == ["small"]
+    else:
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "prompt"
+        assert "4 prompts" in error["message"] and "at most 3" in error["message"]
+        assert host.asked == []
+
+
+def test_max_completion_prompts_defaults_to_vllms_1024():
+    assert load_app_config(SMALL).max_completion_prompts == 1024
