@@ -92,6 +92,56 @@ def test_completion_body_errors_name_the_field(body, param):
     assert err.status_code == 400 and err.param == param
 
 
+PART = {"type": "text", "text": "a"}
+IMAGE = {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+PROMPT = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("cls", "body", "param", "words"),
+    [
+        (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [PART, IMAGE]}]},
+         "messages[0].content[1].type", "should be 'text'"),
+        (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [AUDIO]}]},
+         "messages[0].content[0].type", "should be 'text'"),
+        (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages[0].content[0].text", "is required"),
+        (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": ["a"]}]},
+         "messages[0].content[0]", "object"),
+        (ChatCompletionRequest, {**CHAT, "stop": ["a", 1]}, "stop[1]", "valid string"),
+        (CompletionRequest, {**PROMPT, "stop": ["a", 1]}, "stop[1]", "valid string"),
+        (CompletionRequest, {**PROMPT, "prompt": [1, "a"]}, "prompt[1]", "valid integer"),
+        (CompletionRequest, {**PROMPT, "prompt": ["a", 1]}, "prompt[1]", "valid string"),
+        (CompletionRequest, {**PROMPT, "prompt": [[1, 2], "a"]}, "prompt[1]", "valid array"),
+        (CompletionRequest, {**PROMPT, "prompt": [[1, "a"]]}, "prompt[0][1]", "valid integer"),
+        # Members that fail equally far in are all named.
+        (CompletionRequest, {**PROMPT, "prompt": [1.5]}, "prompt[0]",
+         "valid string or Input should be a valid integer or Input should be a valid array"),
+    ],
+)  # fmt: skip
+def test_a_union_error_names_the_problem_in_the_member_the_value_fits(cls, body, param, words):
+    err = _error(cls, body)
+    assert err.status_code == 400
+    assert err.param == param
+    assert err.message.startswith(param) and words in err.message
+
+
+@pytest.mark.parametrize("cls, body", [(ChatCompletionRequest, CHAT), (CompletionRequest, PROMPT)])
+@pytest.mark.parametrize("stream", [{}, {"stream": False}])
+def test_stream_options_without_streaming_is_a_400(cls, body, stream):
+    err = _error(cls, {**body, **stream, "stream_options": {"include_usage": True}})
+    assert err.status_code == 400 and err.param == "stream_options"
+    assert err.message == "stream_options: only allowed when `stream` is true"
+
+
+@pytest.mark.parametrize("cls, body", [(ChatCompletionRequest, CHAT), (CompletionRequest, PROMPT)])
+def test_stream_options_parse_with_streaming_or_as_null(cls, body):
+    options = {"include_usage": True}
+    assert cls.model_validate({**body, "stream": True, "stream_options": options}).stream_options
+    assert cls.model_validate({**body, "stream_options": None}).stream_options is None
+
+
 def test_malformed_json_is_a_400():
     err = _error(CompletionRequest, '{"prompt": "unterminated')
     assert err.status_code == 400 and "JSON" in err.message

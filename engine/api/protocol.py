@@ -16,7 +16,10 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
+    field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import MAX_LOGPROBS
 
@@ -109,22 +112,59 @@ def model_not_found(model: str, served: Iterable[str]) -> APIError:
 def validation_error(e: ValidationError) -> APIError:
     """400 for the first problem pydantic found, naming the field (`messages[0].role`)."""
     errors = e.errors(include_url=False)
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        return APIError(f"the request body is not valid JSON: {first['msg']}")
-    loc = tuple(first["loc"])
-    msg = first["msg"]
-    # A union reports one error per member, each with the member's type appended to loc.
-    if loc and _is_union_tag(loc[-1]):
-        loc = loc[:-1]
-        branches = [err for err in errors if tuple(err["loc"])[:-1] == loc]
-        msg = " or ".join(dict.fromkeys(err["msg"] for err in branches))
-    param = _format_loc(loc)
-    if first["type"] == "missing":
+    if errors[0]["type"] == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {errors[0]['msg']}")
+    problem = _first_problem(errors)
+    param = _format_loc(tuple(problem[0]["loc"]))
+    if problem[0]["type"] == "missing":
         return APIError(f"{param} is required", param=param)
-    if first["type"] == "extra_forbidden":
+    if problem[0]["type"] == "extra_forbidden":
         return APIError(f"{param} is not a supported field", param=param)
+    msg = " or ".join(dict.fromkeys(err["msg"] for err in problem))
     return APIError(f"{param}: {msg}", param=param)
+
+
+def _first_problem(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first error, or where it lies in a union, the errors of the member that best fits.
+
+    A union reports one error per member, each with the member's tag in its loc. The member
+    that read furthest into the value before its first error is the one the client meant
+    (`[1, "a"]` is a list[int] failing at [1], not a str); members tied for furthest, such as
+    `str` and `list[...]` both refusing a number, are reported together.
+    """
+    first = errors[0]
+    searched = 0
+    while (tag_at := _union_tag_index(first["loc"], searched)) is not None:
+        members = _first_error_per_member(errors, tuple(first["loc"][:tag_at]), tag_at)
+        furthest = max(_reach(err["loc"][tag_at + 1 :]) for err in members)
+        fits = [err for err in members if _reach(err["loc"][tag_at + 1 :]) == furthest]
+        if len(fits) > 1:
+            return fits
+        first = fits[0]
+        member_loc = tuple(first["loc"][: tag_at + 1])
+        errors = [err for err in errors if tuple(err["loc"][: tag_at + 1]) == member_loc]
+        searched = tag_at + 1
+    return [first]
+
+
+def _union_tag_index(loc: tuple, start: int) -> int | None:
+    return next((i for i in range(start, len(loc)) if _is_union_tag(loc[i])), None)
+
+
+def _first_error_per_member(
+    errors: list[dict[str, Any]], union_loc: tuple, tag_at: int
+) -> list[dict[str, Any]]:
+    firsts: dict[str, dict[str, Any]] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        if len(loc) > tag_at and loc[:tag_at] == union_loc and _is_union_tag(loc[tag_at]):
+            firsts.setdefault(loc[tag_at], err)
+    return list(firsts.values())
+
+
+def _reach(loc_in_member: tuple) -> tuple[int, ...]:
+    # Later list items and deeper fields are further in; field names rank alike.
+    return tuple(part if isinstance(part, int) else 0 for part in loc_in_member)
 
 
 def _is_union_tag(part: object) -> bool:
@@ -137,8 +177,8 @@ def _is_union_tag(part: object) -> bool:
 def _format_loc(loc: tuple) -> str:
     out = ""
     for part in loc:
-        if isinstance(part, str) and part[:1].isupper():
-            continue  # the member of a tagged union the value was read as
+        if _is_union_tag(part):
+            continue  # the union member the value was read as
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
 
@@ -217,6 +257,18 @@ class _SamplingFields(_Request):
     """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
     structured_outputs: StructuredOutputsParams | None = None
     """vLLM's: the output follows a JSON schema, a regex, a choice or a grammar."""
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_only_when_streaming(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # `stream` is declared, so validated, first; one that failed is reported on its own.
+        if options is not None and not info.data.get("stream", True):
+            raise PydanticCustomError(
+                "stream_options_without_stream", "only allowed when `stream` is true"
+            )
+        return options
 
 
 class CompletionRequest(_SamplingFields):
