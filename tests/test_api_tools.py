@@ -58,16 +58,20 @@ TOOLS_TEMPLATE = """
 
 
 class TextEngine:
-    """Writes `text` (each of n samples alike) a token a step, then stops as a model ending
-    its turn ("stop"), decoded as the request asks (skip_special_tokens)."""
+    """Writes `text` (each of n samples alike) a token a step, then stops with
+    `finish_reason` ("stop": a model ending its turn; "length": max_tokens reached), decoded
+    as the request asks (skip_special_tokens)."""
 
     model_name = "scripted"
     served_model_names = ["scripted"]
     max_model_len = 512
     generation_defaults = GenerationDefaults()
 
-    def __init__(self, tokenizer, text: str, end_with_eos: bool = False):
+    def __init__(
+        self, tokenizer, text: str, end_with_eos: bool = False, finish_reason: str = "stop"
+    ):
         self.tokenizer = tokenizer
+        self.finish_reason = finish_reason
         self.ids = tokenizer.encode(text, add_special_tokens=False)
         if end_with_eos:
             self.ids.append(tokenizer.eos_token_id)
@@ -98,7 +102,8 @@ class TextEngine:
         logprobs = None
         if params.logprobs is not None:
             logprobs = [TokenLogprobs(t, -0.5, 1, {t: -0.5}) for t in ids]
-        return CompletionOutput(index, text, ids, "stop" if finished else None, logprobs=logprobs)
+        finish_reason = self.finish_reason if finished else None
+        return CompletionOutput(index, text, ids, finish_reason, logprobs=logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +219,21 @@ def test_auto_reads_the_models_calls_whole_and_streamed(tokenizer, parser):
     assert body["tool_calls"][0]["type"] == "function"
 
 
+@pytest.mark.parametrize("parser", sorted(SCRIPTS))
+def test_a_call_cut_short_by_max_tokens_is_the_same_call_whole_and_streamed(tokenizer, parser):
+    script = SCRIPTS[parser]
+    cut = script[: script.index('"Paris"') + len('"Par')]
+    serving, _ = _serving(tokenizer, cut, parser, finish_reason="length")
+    full, events = _full_and_streamed(serving, _chat())
+    choice = full.choices[0]
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city": "Par')
+    ]
+    assert choice.message.content == (None if parser == "llama3_json" else "Let me check.")
+    assert choice.finish_reason == "length"  # the call is unfinished
+    _agree(full, events)
+
+
 def test_auto_without_calls_is_plain_content(tokenizer):
     text = "It is sunny in Paris; no tool needed. 1 < 2."
     serving, _ = _serving(tokenizer, text)
@@ -282,7 +302,8 @@ def test_named_and_required_choices_constrain_the_output_with_a_grammar(tokenize
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     names = [v["properties"]["name"]["enum"] for v in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
-    assert schema["items"]["anyOf"][1]["properties"]["parameters"]["type"] == "object"
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"$ref": "#/$defs/tool1"}
+    assert schema["$defs"]["tool1"]["type"] == "object"
     assert full.choices[0].finish_reason == "tool_calls"
     assert full.choices[0].message.tool_calls[0].function.arguments == "{}"
     _agree(full, events)
@@ -292,15 +313,50 @@ def test_named_and_required_choices_constrain_the_output_with_a_grammar(tokenize
     assert json.loads(engine.calls[-1]["params"].structured_output.json_schema)["maxItems"] == 1
 
 
-def test_required_moves_each_tools_defs_to_the_root(tokenizer):
+def _required_schema(tokenizer, tools: list[dict]) -> dict:
+    serving, engine = _serving(tokenizer, "[]", parser=None)
+    asyncio.run(serving.create_chat_completion(_chat(tools=tools, tool_choice="required")))
+    return json.loads(engine.calls[0]["params"].structured_output.json_schema)
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_required_keeps_each_tools_refs_pointing_into_its_own_parameters(tokenizer):
     place = {"$defs": {"place": {"type": "string"}}, "type": "object",
              "properties": {"city": {"$ref": "#/$defs/place"}}}  # fmt: skip
-    tool = {"type": "function", "function": {"name": "visit", "parameters": place}}
-    serving, engine = _serving(tokenizer, "[]", parser=None)
-    asyncio.run(serving.create_chat_completion(_chat(tools=[tool], tool_choice="required")))
-    schema = json.loads(engine.calls[0]["params"].structured_output.json_schema)
-    assert schema["$defs"] == {"place": {"type": "string"}}
-    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    other_place = {**place, "$defs": {"place": {"type": "integer"}}}
+    old_style = {"definitions": {"unit": {"enum": ["c", "f"]}}, "type": "object",
+                 "properties": {"unit": {"$ref": "#/definitions/unit"},
+                                "also": {"$ref": "#/properties/unit"},
+                                "more": {"type": "array", "items": {"$ref": "#"}},
+                                "$ref": {"type": "string", "default": {"$ref": "#/x"}}}}  # fmt: skip
+    tools = [_tool("visit", place), _tool("post", other_place), _tool("units", old_style)]
+    schema = _required_schema(tokenizer, tools)
+    calls = schema["items"]["anyOf"]
+    assert [c["properties"]["parameters"] for c in calls] == [
+        {"$ref": f"#/$defs/tool{i}"} for i in range(3)
+    ]
+    visit, post, units = (schema["$defs"][f"tool{i}"] for i in range(3))
+    assert visit["properties"]["city"] == {"$ref": "#/$defs/tool0/$defs/place"}
+    assert post["properties"]["city"] == {"$ref": "#/$defs/tool1/$defs/place"}
+    assert post["$defs"] == {"place": {"type": "integer"}}  # the same name, its own schema
+    assert units["properties"] == {
+        "unit": {"$ref": "#/$defs/tool2/definitions/unit"},
+        "also": {"$ref": "#/$defs/tool2/properties/unit"},
+        "more": {"type": "array", "items": {"$ref": "#/$defs/tool2"}},
+        # A property called "$ref", and data that looks like a ref, stay as they were.
+        "$ref": {"type": "string", "default": {"$ref": "#/x"}},
+    }
+    assert tools[2]["function"]["parameters"] == old_style  # the request is left alone
+
+
+def test_required_drops_the_id_that_would_move_its_refs_base(tokenizer):
+    identified = {"$id": "https://example.com/visit", "type": "object",
+                  "properties": {"a": {"type": "string"}, "b": {"$ref": "#/properties/a"}}}  # fmt: skip
+    (visit,) = _required_schema(tokenizer, [_tool("visit", identified)])["$defs"].values()
+    assert "$id" not in visit and visit["properties"]["b"] == {"$ref": "#/$defs/tool0/properties/a"}
 
 
 def test_mistral_keeps_its_special_marker_and_drops_the_end_of_sequence(tokenizer):
@@ -376,6 +432,16 @@ CALL = {"id": "c", "type": "function", "function": {"name": "get_weather", "argu
         ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
             {**CALL, "function": {"name": "f", "arguments": "{oops"}}]}]},
          "messages[1].tool_calls[0].function.arguments", "JSON object"),
+        ({"tools": [WEATHER, _tool("f", {"properties": {"a": {"$ref": "https://x.org/a"}}})],
+          "tool_choice": "required"},
+         "tools[1].function.parameters", "'https://x.org/a' is not a JSON pointer"),
+        ({"tools": [_tool("f", {"$defs": {"a": {"$anchor": "a"}},
+                                "properties": {"b": {"$ref": "#a"}}})],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools[0].function.parameters", "'#a' is not a JSON pointer"),
+        ({"tools": [_tool("f", {"$id": "https://x.org/f", "properties": {"b": {"$ref": "g"}}})],
+          "tool_choice": "required"},
+         "tools[0].function.parameters", "'g' is not a JSON pointer"),
     ],
 )  # fmt: skip
 def test_bad_tool_input_is_a_400_naming_the_field(tokenizer, fields, param, words):

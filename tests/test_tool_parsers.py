@@ -41,7 +41,8 @@ HERMES = [
      '<tool_call>{"name": 7, "arguments": {}}</tool_call> after', []),
     ('<tool_call>not json</tool_call>', "<tool_call>not json</tool_call>", []),
     ('<tool_call>{"arguments": {"a": 1}}</tool_call>', '<tool_call>{"arguments": {"a": 1}}</tool_call>', []),
-    ('<tool_call>{"name": "f", "arguments": {"a": ', '<tool_call>{"name": "f", "arguments": {"a": ', []),
+    ('<tool_call>{"name": "f", "arguments": {"a": Paris}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"a": Paris}}</tool_call>', []),
 ]  # fmt: skip
 
 LLAMA = [
@@ -71,6 +72,25 @@ CASES = (
     + [(Llama3JsonToolParser, *case) for case in LLAMA]
     + [(MistralToolParser, *case) for case in MISTRAL]
 )
+
+# Outputs that max_tokens ends inside a call: one whose name is out stays a call, its
+# arguments as far as they came; one cut before its name is text.
+CUT_SHORT = [
+    (HermesToolParser, '<tool_call>{"name": "f", "arguments": {"a": ', None, [("f", '{"a": ')]),
+    (HermesToolParser, 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+     "Checking.", [("get_weather", '{"city": "Pa')]),
+    (HermesToolParser, '<tool_call>{"name": "now", "arguments": {}}</tool_call>\n<tool_call>'
+     '{"name": "search"', None, [("now", "{}"), ("search", "")]),
+    (HermesToolParser, '<tool_call>{"name": "get_wea', '<tool_call>{"name": "get_wea', []),
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"city": "Pa', None,
+     [("get_weather", '{"city": "Pa')]),
+    (Llama3JsonToolParser, '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", '
+     '"parameters": {"x": [1, ', None, [("a", "{}"), ("b", '{"x": [1, ')]),
+    (MistralToolParser, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pa', None,
+     [("get_weather", '{"city": "Pa')]),
+    (MistralToolParser, 'Sure.[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", '
+     '"arguments": {"q": "x\\"', "Sure.", [("f", "{}"), ("g", '{"q": "x\\"')]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
@@ -138,7 +158,15 @@ def _merged(events: list) -> list:
     return merged
 
 
-@pytest.mark.parametrize(("parser", "text"), [case[:2] for case in CASES])
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CUT_SHORT)
+def test_a_call_the_output_ends_inside_reads_alike_whole_and_streamed(parser, text, content, calls):
+    assert extract_tool_calls(parser(), text) == ExtractedToolCalls(content, calls)
+    rng = random.Random(7)
+    for pieces in [[text], list(text)] + [_random_pieces(text, rng) for _ in range(50)]:
+        assert _streamed(parser(), pieces) == ExtractedToolCalls(content, calls), pieces
+
+
+@pytest.mark.parametrize(("parser", "text"), [case[:2] for case in CASES + CUT_SHORT])
 def test_a_parser_tells_the_same_events_however_the_text_is_split(parser, text):
     whole = parser()
     expected = _merged(whole.feed(text) + whole.finish())

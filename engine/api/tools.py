@@ -24,6 +24,13 @@ from engine.sampling_params import StructuredOutput
 _NO_ARGUMENTS = {"type": "object", "additionalProperties": False}
 """A function without parameters takes `{}`."""
 
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
+"""Keywords whose values are JSON data, where a "$ref" key refers to nothing."""
+_NAMED_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
+"""Keywords whose values map names to schemas (a property may be called "$ref")."""
+
 
 @dataclass(frozen=True)
 class ToolUse:
@@ -99,7 +106,7 @@ def tool_use(
     new_call_id = (parser or ToolParser).new_call_id
     parallel = request.parallel_tool_calls
     if isinstance(choice, NamedToolChoice):
-        schema = _named_tool(tools, choice).function.parameters or _NO_ARGUMENTS
+        schema = _grammar_parameters(tools, _named_tool(tools, choice), "#")
         return ToolUse(
             "named",
             partial(NamedToolParser, choice.function.name),
@@ -130,10 +137,10 @@ def tool_use(
     )
 
 
-def _named_tool(tools: list[ChatTool], choice: NamedToolChoice) -> ChatTool:
-    for tool in tools:
+def _named_tool(tools: list[ChatTool], choice: NamedToolChoice) -> int:
+    for i, tool in enumerate(tools):
         if tool.function.name == choice.function.name:
-            return tool
+            return i
     names = ", ".join(repr(t.function.name) for t in tools)
     param = "tool_choice.function.name"
     raise APIError(
@@ -143,36 +150,72 @@ def _named_tool(tools: list[ChatTool], choice: NamedToolChoice) -> ChatTool:
 
 def _calls_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     """A JSON list of calls `{"name": ..., "parameters": ...}`, each to one of the tools with
-    its schema. Each tool's `$defs` move to the root, where its `$ref`s point."""
+    its schema. Each tool's parameters sit whole in the root's `$defs` (as `tool0`, ...), their
+    `$ref`s rewritten to start there, so each points where it did in the tool's own schema."""
     defs: dict[str, Any] = {}
     calls = []
     for i, tool in enumerate(tools):
-        parameters = dict(tool.function.parameters or _NO_ARGUMENTS)
-        for name, definition in parameters.pop("$defs", {}).items():
-            if defs.setdefault(name, definition) != definition:
-                param = f"tools[{i}].function.parameters"
-                raise APIError(
-                    f"{param}: $defs.{name} differs from an earlier tool's $defs.{name} (with "
-                    'tool_choice "required" the tools\' definitions share one namespace)',
-                    param=param,
-                )
+        key = f"tool{i}"
+        defs[key] = _grammar_parameters(tools, i, f"#/$defs/{key}")
+        # An `$id` there would resolve the refs, now from the document's root, against it.
+        defs[key].pop("$id", None)
         calls.append(
             {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [tool.function.name]},
-                    "parameters": parameters,
+                    "parameters": {"$ref": f"#/$defs/{key}"},
                 },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": calls},
+        "$defs": defs,
+    }
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
+
+
+def _grammar_parameters(tools: list[ChatTool], index: int, root: str) -> dict[str, Any]:
+    """Tool `index`'s parameters for a grammar that holds them at JSON pointer `root`."""
+    parameters = tools[index].function.parameters or _NO_ARGUMENTS
+    return _rebased(parameters, root, f"tools[{index}].function.parameters")
+
+
+def _rebased(schema: Any, root: str, param: str) -> Any:
+    """A copy of `schema` whose `$ref`s point from `root` (where the schema now sits) rather
+    than from the schema's own root. The grammar follows JSON pointers alone ("#", "#/..."):
+    any other ref (a URL, an anchor, one relative to an `$id`) is an APIError."""
+    if isinstance(schema, list):
+        return [_rebased(item, root, param) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str):
+            rebased[key] = _rebased_ref(value, root, param)
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            rebased[key] = {name: _rebased(sub, root, param) for name, sub in value.items()}
+        else:
+            rebased[key] = _rebased(value, root, param)
+    return rebased
+
+
+def _rebased_ref(ref: str, root: str, param: str) -> str:
+    if ref != "#" and not ref.startswith("#/"):
+        raise APIError(
+            f'{param}: $ref {ref!r} is not a JSON pointer into these parameters ("#" or '
+            '"#/..."), the only references a named tool_choice or "required" can follow',
+            param=param,
+        )
+    return root + ref[1:]
 
 
 def _check_parameters(schema: dict[str, Any], param: str) -> None:

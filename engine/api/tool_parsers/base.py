@@ -5,6 +5,10 @@ text outside calls, `CallStart` once a call's name is known, `CallArguments` for
 arguments text as it comes, `CallBroken` when a started call turns out not to be valid
 JSON. The events depend only on the text, never on how it was split, so a stream and a
 whole response read the same calls.
+
+A started call that the output's end cuts short (max_tokens) is no broken call: it stays a
+call, its arguments as far as they came, as OpenAI and vLLM's streams show it (a stream
+cannot take back a call it has sent; finish_reason "length" tells the call is unfinished).
 """
 
 from __future__ import annotations
@@ -55,9 +59,6 @@ class ToolParser:
     special_marker: str | None = None
     """The format's marker, where a model's tokenizer has it as a special token: its
     requests keep special tokens in their text."""
-    keeps_cut_calls = False
-    """A started call that the output's end cuts short stays a call (for grammar-made
-    outputs, whose calls can break no other way)."""
 
     def __init__(self) -> None:
         self._pending = ""
@@ -80,11 +81,11 @@ class ToolParser:
 
     def finish(self) -> list[Event]:
         self._read()
-        if self._call is not None and self.keeps_cut_calls and self._started:
-            self._call = None
+        if self._call is not None and self._started:
+            self._call = None  # cut short: a call all the same
             self._num_calls += 1
         elif self._call is not None:
-            self._call.fail()  # cut short
+            self._call.fail()  # cut short before its name: text
             self._end_call()
         self._end()
         return self._take()

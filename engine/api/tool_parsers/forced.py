@@ -32,4 +32,3 @@ class NamedToolParser(ToolParser):
 
 class RequiredToolParser(JSONListToolParser):
     arguments_keys = ("parameters",)
-    keeps_cut_calls = True

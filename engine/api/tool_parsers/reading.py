@@ -26,7 +26,8 @@ class ExtractedToolCalls:
 
 
 def extract_tool_calls(parser: ToolParser, text: str, parallel: bool = True) -> ExtractedToolCalls:
-    """The calls in a whole output; a call that is not valid JSON is content, as written."""
+    """The calls in a whole output; a call that is not valid JSON is content, as written
+    (one the output's end cuts short stays a call, as in a stream)."""
     parts: list[str | int] = []
     calls: dict[int, list[str]] = {}
     for event in _counted(parser.feed(text) + parser.finish(), parallel):
