@@ -25,6 +25,7 @@ from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import (
+    RequestInputError,
     RequestOutputKind,
     SamplingParams,
     StructuredOutput,
@@ -213,12 +214,9 @@ class LLMEngine:
             prompt_text, prompt_ids = None, list(prompt)
         max_len = self.config.scheduler_config.max_model_len
         prompt_ids = truncate_prompt(prompt_ids, sampling_params.truncate_prompt_tokens, max_len)
-        sampling_params = self._with_every_eos(sampling_params)
         self._check_prompt(prompt_ids)
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in getattr(sampling_params, name) or () if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})")
+        self._check_token_ids(sampling_params)
+        sampling_params = self._with_every_eos(sampling_params)
         if sampling_params.structured_output is None:
             grammar = None
         elif grammar is None:
@@ -288,15 +286,28 @@ class LLMEngine:
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.config.scheduler_config.max_model_len
         if not prompt_ids:
-            raise ValueError("prompt is empty")
+            raise RequestInputError("prompt", "is empty")
         if len(prompt_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} "
-                f"(prompt plus at least one generated token must fit)"
+            raise RequestInputError(
+                "prompt",
+                f"has {len(prompt_ids)} tokens; max_model_len is {max_len} "
+                f"(prompt plus at least one generated token must fit)",
             )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+            raise RequestInputError(
+                "prompt", f"token id {bad[0]} is out of range [0, {self.vocab_size})"
+            )
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """The request's own ids are in the vocabulary (SamplingParams checks them >= 0);
+        the EOS ids the engine adds to stop_token_ids are not the request's to answer for."""
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise RequestInputError(
+                    name, f"token id {bad[0]} is out of range [0, {self.vocab_size})"
+                )
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
         sample_ids = []

@@ -36,6 +36,20 @@ class StructuredOutputError(ValueError):
     """A structured_output (OpenAI's response_format) this server cannot follow."""
 
 
+class RequestInputError(ValueError):
+    """Input the engine cannot serve, naming the field it came in (`prompt`, `logit_bias`):
+    a front end can name its own field instead (`prompt[1]` of several prompts)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
+
+    def __reduce__(self) -> tuple:
+        # Crosses from the engine process with its field intact.
+        return (type(self), (self.field, self.problem))
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Constrain a request's output: to a value that matches a JSON Schema (given as text), a
@@ -144,12 +158,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
+        # Values print as repr: a rounded one can read as in range ("in [-2, 2], got 2").
         self.temperature = _float("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature:g}")
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         self.top_p = _float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         self.top_k = _int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
@@ -157,15 +172,15 @@ class SamplingParams:
             self.top_k = 0
         self.min_p = _float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p:g}")
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _float(name, getattr(self, name))
             if not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value:g}")
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
             setattr(self, name, value)
         self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.seed is not None:
             # The range torch.Generator.manual_seed accepts.
             self.seed = _int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
@@ -276,7 +291,12 @@ def _float(name: str, value: object) -> float:
     if type(value) is not float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ValueError(
+                f"{name} must be a finite number, got an int past float's range"
+            ) from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
     return value
@@ -326,7 +346,7 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
         value = _float("logit_bias value", value)
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValueError(
-                f"logit_bias values must be in [-100, 100], got {value:g} for token {token}"
+                f"logit_bias values must be in [-100, 100], got {value!r} for token {token}"
             )
         checked[token] = value
     return checked or None

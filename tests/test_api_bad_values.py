@@ -1,7 +1,8 @@
 """Every request field, given values of the wrong type, sign or size, through the real
 engine: each request is answered (a 4xx naming a problem, or served), never a 5xx or an
 exception, and the engine keeps serving. The lists of fields come from the request models,
-so a field added later is covered without being named here."""
+so a field added later is covered without being named here. Then problems the fuzzing
+found, each with its exact message and `param`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from engine.api.protocol import (
 )
 from engine.api.serving import OpenAIServing, RequestContext
 from engine.async_engine import AsyncEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestInputError, SamplingParams
 
 # JSON texts, not Python values: NaN, Infinity and integers past 64 bits reach the parser.
 BAD_VALUES = [
@@ -88,3 +89,99 @@ def test_no_field_value_breaks_a_request_or_the_engine(served, kind):
         return outputs[-1].outputs[0].token_ids
 
     assert len(asyncio.run(four_tokens())) == 4
+
+
+def _error(serving: OpenAIServing, kind: str, fields: dict) -> APIError:
+    """The APIError a request of `kind` with `fields` (over its base body) gets."""
+    model, base = BASES[kind]
+    request = model.model_validate({**base, **fields})
+    create = serving.create_completion if kind == "completion" else serving.create_chat_completion
+    with pytest.raises(APIError) as raised:
+        asyncio.run(create(request, RequestContext()))
+    assert raised.value.status_code == 400
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        ({"presence_penalty": 2.0000001}, "presence_penalty", "in [-2, 2], got 2.0000001"),
+        ({"top_p": 1.0000001}, "top_p", "in (0, 1], got 1.0000001"),
+        ({"logit_bias": {"5": 100.0000001}}, "logit_bias", "got 100.0000001 for token 5"),
+    ],
+)
+def test_a_range_error_shows_the_value_as_sent(served, fields, param, message):
+    error = _error(served[0], "completion", fields)
+    assert error.param == param and message in error.message
+
+
+@pytest.mark.parametrize("key", [" 1 ", "1_0", "\u0661", "+1", "", "0x1"])
+def test_logit_bias_keys_are_plain_decimal_token_ids(served, key):
+    error = _error(served[0], "completion", {"logit_bias": {key: 1}})
+    assert error.param == "logit_bias"
+    assert error.message == f"logit_bias keys must be token ids in decimal digits, got {key!r}"
+
+
+@pytest.mark.parametrize("key, got", [("-1", "got -1"), ("9" * 30, "got a 30-digit number")])
+def test_logit_bias_ids_out_of_int64_are_refused_by_their_range(served, key, got):
+    error = _error(served[0], "completion", {"logit_bias": {key: 1}})
+    assert error.param == "logit_bias"
+    assert error.message == f"logit_bias token id must be in [0, {2**63 - 1}], {got}"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        (lambda vocab: {"stop_token_ids": [vocab]}, "stop_token_ids"),
+        (lambda vocab: {"allowed_token_ids": [5, vocab]}, "allowed_token_ids"),
+        (lambda vocab: {"logit_bias": {str(vocab): 1}}, "logit_bias"),
+        (lambda vocab: {"prompt": [1, vocab]}, "prompt"),
+        (lambda vocab: {"prompt": [[1, vocab]]}, "prompt[0]"),
+        (lambda vocab: {"prompt": [[1, 2], [1, vocab]]}, "prompt[1]"),
+    ],
+)
+def test_token_ids_past_the_vocabulary_name_their_field(served, fields, param, stream):
+    serving, engine = served
+    vocab = engine.engine.vocab_size
+    error = _error(serving, "completion", {**fields(vocab), "stream": stream})
+    assert error.param == param
+    assert error.message == f"{param} token id {vocab} is out of range [0, {vocab})"
+
+
+def test_the_engine_refuses_stop_token_ids_past_the_vocabulary(served):
+    _, engine = served
+    vocab = engine.engine.vocab_size
+
+    async def first_output() -> None:
+        params = SamplingParams(max_tokens=1, stop_token_ids=[vocab])
+        await anext(engine.generate([1, 2], params, "stop-past-vocabulary"))
+
+    with pytest.raises(RequestInputError) as raised:
+        asyncio.run(first_output())
+    assert raised.value.field == "stop_token_ids"
+
+
+@pytest.mark.parametrize("prompt", [[[1, 2], [1] * 200], ["Hi", "Hi " * 200]])
+def test_a_too_long_prompt_among_several_is_named_by_its_index(served, prompt):
+    error = _error(served[0], "completion", {"prompt": prompt})
+    assert error.param == "prompt[1]" and error.code == "context_length_exceeded"
+    assert error.message.startswith("prompt[1] is ")
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    "kind, fields, named",
+    [
+        ("completion", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ("chat", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice 'required'"),
+    ],
+)
+def test_min_tokens_with_a_structured_output_names_the_request_field(served, kind, fields, named):
+    error = _error(served[0], kind, {**fields, "min_tokens": 1})
+    assert error.param == "min_tokens"
+    assert error.message == f"min_tokens cannot be combined with {named}"

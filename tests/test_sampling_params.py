@@ -2,7 +2,7 @@ import pickle
 
 import pytest
 
-from engine.sampling_params import SamplingParams, SamplingType
+from engine.sampling_params import RequestInputError, SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm():
@@ -114,3 +114,31 @@ def test_error_message_states_the_allowed_range():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\], got 21"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"presence_penalty": 2.0000001}, r"presence_penalty must be in \[-2, 2\], got 2.0000001"),
+        ({"frequency_penalty": -2.0000001}, r"must be in \[-2, 2\], got -2.0000001"),
+        ({"top_p": 1.0000001}, r"top_p must be in \(0, 1\], got 1.0000001"),
+        ({"min_p": 1.0000001}, r"min_p must be in \[0, 1\], got 1.0000001"),
+        ({"presence_penalty": 3}, r"presence_penalty must be in \[-2, 2\], got 3.0$"),
+        ({"logit_bias": {5: 100.0000001}}, r"\[-100, 100\], got 100.0000001 for token 5"),
+    ],
+)
+def test_range_errors_show_the_value_unrounded(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_an_int_too_large_for_a_float_is_a_value_error():
+    with pytest.raises(ValueError, match="presence_penalty must be a finite number"):
+        SamplingParams(presence_penalty=10**400)
+
+
+def test_request_input_error_keeps_its_field_across_processes():
+    error = pickle.loads(pickle.dumps(RequestInputError("prompt", "token id 9 is out of range")))
+    assert isinstance(error, ValueError)
+    assert (error.field, error.problem) == ("prompt", "token id 9 is out of range")
+    assert str(error) == "prompt token id 9 is out of range"

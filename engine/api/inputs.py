@@ -22,6 +22,26 @@ from engine.api.tools import ToolUse
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 
+def prompt_param(request: CompletionRequest | ChatCompletionRequest, index: int) -> str:
+    """The field the request's prompt `index` came in, as errors name it: `prompt`, or
+    `prompt[1]` in a list of prompts; a chat's `messages`."""
+    if isinstance(request, ChatCompletionRequest):
+        return "messages"
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return "prompt"
+    return f"prompt[{index}]"
+
+
+def structured_output_param(
+    request: CompletionRequest | ChatCompletionRequest, tools: ToolUse | None
+) -> str:
+    """The field a request's structured output came in, as errors name it."""
+    if tools is not None and tools.structured_output is not None:
+        return "tools"
+    return "response_format" if request.structured_outputs is None else "structured_outputs"
+
+
 def check_prompt(ids: list[int], max_model_len: int, param: str) -> list[int]:
     # The engine checks this too; here the message names the request's field.
     if not ids:
@@ -79,6 +99,13 @@ def to_sampling_params(
             code="context_length_exceeded",
         )
     structured = _structured_output(request, tools)
+    if request.min_tokens and structured is not None:
+        if tools is not None and tools.structured_output is not None:
+            given = f"tool_choice {tools.choice!r}"
+        else:
+            given = structured_output_param(request, tools)
+        # A finished value allows only EOS, which min_tokens would block.
+        raise APIError(f"min_tokens cannot be combined with {given}", param="min_tokens")
     if reasoning is not None:
         structured = reasoning.structured_output(structured)
     optional = {
@@ -198,15 +225,29 @@ def _from_response_format(response_format: ResponseFormat | None) -> StructuredO
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None
-    by_id = {}
-    for token, value in bias.items():
-        try:
-            by_id[int(token)] = value
-        except ValueError:
-            raise APIError(
-                f"logit_bias keys must be token ids, got {token!r}", param="logit_bias"
-            ) from None
-    return by_id
+    return {_token_id_key(key): value for key, value in bias.items()}
+
+
+_MAX_ID_DIGITS = len(str(2**63 - 1))
+
+
+def _token_id_key(key: str) -> int:
+    """A logit_bias key as a token id: ASCII digits only (int() also takes " 1 ", "1_0"
+    and other scripts' digits). A '-' passes, for SamplingParams to refuse by its range."""
+    digits = key.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise APIError(
+            f"logit_bias keys must be token ids in decimal digits, got {key!r}",
+            param="logit_bias",
+        )
+    num_digits = len(digits.lstrip("0"))
+    if num_digits > _MAX_ID_DIGITS:
+        # Past SamplingParams' int64 bound; int() would refuse past 4,300 digits.
+        raise APIError(
+            f"logit_bias token id must be in [0, {2**63 - 1}], got a {num_digits}-digit number",
+            param="logit_bias",
+        )
+    return int(key)
 
 
 def chat_messages(request: ChatCompletionRequest | TokenizeRequest) -> list[dict]:

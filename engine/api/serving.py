@@ -23,6 +23,8 @@ from engine.api.inputs import (
     check_prompt,
     echo_only,
     prefix_cache_salt,
+    prompt_param,
+    structured_output_param,
     to_sampling_params,
 )
 from engine.api.logprobs import TokenIdText, TokenText
@@ -50,7 +52,7 @@ from engine.api.tool_parsers import TOOL_CALL_PARSERS
 from engine.api.tools import ToolUse, check_tools, template_tools, tool_use
 from engine.generation_config import GenerationDefaults
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, truncate_prompt
+from engine.sampling_params import RequestInputError, SamplingParams, truncate_prompt
 from engine.tokenizer import (
     ChatInputError,
     apply_chat_template,
@@ -165,7 +167,10 @@ class OpenAIServing:
         if request.best_of not in (None, request.n):
             raise APIError(f"best_of must equal n ({request.n})", param="best_of")
         encoded = await self._encode_prompts(request)
-        prompts = [self._checked_prompt(ids, request, "prompt") for ids in encoded]
+        prompts = [
+            self._checked_prompt(ids, request, prompt_param(request, i))
+            for i, ids in enumerate(encoded)
+        ]
         # A truncated prompt echoes as the tokens the model saw.
         truncated = any(len(a) != len(b) for a, b in zip(encoded, prompts, strict=True))
         fmt = CompletionFormat(
@@ -405,18 +410,13 @@ class OpenAIServing:
         priority = ctx.priority if request.priority is None else max(ctx.priority, request.priority)
         salt = prefix_cache_salt(ctx.cache_salt, request.cache_salt)
         gens = [
-            self.engine.generate(ids, sp, f"{engine_id}-{i}", priority, salt)
+            self._generate(ids, sp, f"{engine_id}-{i}", priority, salt, prompt_param(request, i))
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         limit = TimeLimit(ctx.deadline)
         outputs = merge_streams(gens)
         # A grammar that does not compile fails the first output: name the field it came in.
-        if tools is not None and tools.structured_output is not None:
-            structured = "tools"
-        elif request.structured_outputs is None:
-            structured = "response_format"
-        else:
-            structured = "structured_outputs"
+        structured = structured_output_param(request, tools)
         try:
             first = await next_output(outputs, limit, structured)
         except BaseException:
@@ -455,6 +455,27 @@ class OpenAIServing:
         usage = usage_of(prompt_lens, final, fmt.echo_only, self.prompt_tokens_details)
         token_text = self._token_text(request)
         return completion_response(response_id, self.model_name, final, usage, token_text, fmt)
+
+    async def _generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        cache_salt: str | None,
+        prompt_field: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt; input the engine refuses (a token id past
+        the vocabulary) is an APIError naming the request's field, the prompt's as
+        `prompt_field`."""
+        outputs = self.engine.generate(prompt, params, request_id, priority, cache_salt)
+        async with aclosing(outputs):
+            try:
+                async for output in outputs:
+                    yield output
+            except RequestInputError as e:
+                field = prompt_field if e.field == "prompt" else e.field
+                raise APIError(f"{field} {e.problem}", param=field) from None
 
     def _stream(
         self,
