@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.sampling_params import RequestInputError
 from engine.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -59,18 +60,20 @@ class Scheduler:
         """ValueError for a request that could never be scheduled."""
         n = request.num_prompt_tokens
         if n == 0:
-            raise ValueError("prompt is empty: it needs at least one token")
+            raise RequestInputError("prompt", "is empty: it needs at least one token")
         if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
-                f"(prompt plus at least one generated token must fit)"
+            raise RequestInputError(
+                "prompt",
+                f"has {n} tokens; max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)",
             )
         capacity = self.kv_cache_manager.max_num_tokens
         if n > capacity:
-            raise ValueError(
-                f"prompt has {n} tokens but the whole KV cache holds {capacity} "
+            raise RequestInputError(
+                "prompt",
+                f"has {n} tokens but the whole KV cache holds {capacity} "
                 f"({capacity // self.block_size} blocks of {self.block_size}); "
-                f"shorten the prompt or raise num_gpu_blocks"
+                f"shorten the prompt or raise num_gpu_blocks",
             )
 
     def add_request(self, request: Request) -> None:

@@ -169,6 +169,18 @@ def test_a_too_long_prompt_among_several_is_named_by_its_index(served, prompt):
     assert error.message.startswith("prompt[1] is ")
 
 
+def test_a_prompt_larger_than_the_whole_kv_cache_is_named_by_its_index():
+    engine = AsyncEngine.from_engine_args(
+        max_model_len=128, num_gpu_blocks=4, block_size=16, engine_process=False
+    )
+    try:
+        error = _error(OpenAIServing(engine), "completion", {"prompt": [[1, 2], [1] * 100]})
+    finally:
+        engine.shutdown()
+    assert error.param == "prompt[1]"
+    assert error.message.startswith("prompt[1] has 100 tokens but the whole KV cache holds ")
+
+
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
