@@ -48,15 +48,14 @@ from cluster.metrics import RayMetricsSink, ReplicaReadiness, TenantMetrics
 from cluster.model_router import ModelRouter
 from cluster.tenants import TenantLimiter, TenantResolver
 from cluster.topology import SERVE_FAST_PATH_ENV
+from engine.api.errors import APIError, validation_error
 from engine.api.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    UsageInfo,
-    validation_error,
 )
+from engine.api.responses import UsageInfo
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.gc_pauses import tune_for_serving
 from engine.hop_trace import hop

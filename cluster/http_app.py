@@ -27,7 +27,7 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import hop_trace
-from engine.api.protocol import APIError
+from engine.api.errors import APIError
 
 logger = logging.getLogger("ray.serve")
 

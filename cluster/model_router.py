@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from engine.api.protocol import APIError, model_not_found, quoted_names
+from engine.api.errors import APIError, model_not_found, quoted_names
 
 
 class ModelRouter:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from cluster.app_config import TenantConfig
-from engine.api.protocol import APIError
+from engine.api.errors import APIError
 
 DEFAULT_TENANT = "default"
 TENANT_HEADER = "x-tenant-id"

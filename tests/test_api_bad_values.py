@@ -12,12 +12,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from engine.api.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    validation_error,
-)
+from engine.api.errors import APIError, validation_error
+from engine.api.protocol import ChatCompletionRequest, CompletionRequest
 from engine.api.serving import OpenAIServing, RequestContext
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import RequestInputError, SamplingParams

@@ -7,15 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from engine.api.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionRequest,
-    PromptLogprob,
-    validation_error,
-)
+from engine.api.errors import APIError, validation_error
+from engine.api.protocol import ChatCompletionRequest, CompletionRequest
+from engine.api.responses import CompletionChoice, CompletionChunk, PromptLogprob
 
 
 def _error(cls, body) -> APIError:

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from engine import LLM
-from engine.api.protocol import APIError, ChatCompletionRequest, TokenizeRequest
+from engine.api.errors import APIError
+from engine.api.protocol import ChatCompletionRequest, TokenizeRequest
 from engine.api.serving import OpenAIServing
 from engine.async_engine import AsyncEngine
 from engine.bundled import bundled_model_path

@@ -14,9 +14,9 @@ import threading
 import pytest
 from pydantic import ValidationError
 
+from engine.api.errors import APIError
 from engine.api.inputs import to_sampling_params
 from engine.api.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

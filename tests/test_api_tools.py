@@ -14,7 +14,8 @@ import pytest
 from tokenizers import AddedToken
 
 from engine import LLM
-from engine.api.protocol import APIError, ChatCompletionRequest, TokenizeRequest
+from engine.api.errors import APIError
+from engine.api.protocol import ChatCompletionRequest, TokenizeRequest
 from engine.api.serving import OpenAIServing
 from engine.bundled import bundled_model_path
 from engine.generation_config import GenerationDefaults

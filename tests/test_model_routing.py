@@ -14,7 +14,8 @@ import cluster.deployments as deployments
 from cluster.app_config import load_app_config
 from cluster.deployments import OpenAIIngress
 from cluster.local_server import LocalServer
-from engine.api.protocol import APIError, UsageInfo
+from engine.api.errors import APIError
+from engine.api.responses import UsageInfo
 
 
 class _FakeHost:

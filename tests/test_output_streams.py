@@ -11,8 +11,8 @@ import weakref
 
 import pytest
 
+from engine.api.errors import APIError
 from engine.api.output_streams import TimeLimit, next_output
-from engine.api.protocol import APIError
 
 
 async def _slow(delays: list[float]):

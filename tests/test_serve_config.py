@@ -16,7 +16,7 @@ from cluster.deployments import build_openai_app, llm_server_options
 from cluster.local_server import colocated_capacity
 from cluster.tenants import TenantLimiter, TenantResolver
 from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV, node_env
-from engine.api.protocol import APIError
+from engine.api.errors import APIError
 from engine.config import (
     RUNNER_ARGS,
     CacheConfig,

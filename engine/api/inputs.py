@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.api.errors import APIError
 from engine.api.protocol import (
-    APIError,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,

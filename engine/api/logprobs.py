@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from itertools import islice
 
-from engine.api.protocol import (
+from engine.api.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

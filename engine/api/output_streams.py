@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from engine.api.protocol import APIError
+from engine.api.errors import APIError
 from engine.async_engine import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import StructuredOutputError

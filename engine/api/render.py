@@ -12,7 +12,8 @@ from engine.api.logprobs import (
     joined,
     vllm_prompt_logprobs,
 )
-from engine.api.protocol import (
+from engine.api.reasoning import ReasoningUse
+from engine.api.responses import (
     ChatChoice,
     ChatCompletionResponse,
     ChatResponseMessage,
@@ -23,7 +24,6 @@ from engine.api.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from engine.api.reasoning import ReasoningUse
 from engine.api.tool_output import tool_message
 from engine.api.tools import ToolUse
 from engine.outputs import CompletionOutput, RequestOutput

@@ -18,6 +18,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.api.errors import APIError, model_not_found
 from engine.api.inputs import (
     chat_messages,
     check_prompt,
@@ -30,23 +31,23 @@ from engine.api.inputs import (
 from engine.api.logprobs import TokenIdText, TokenText
 from engine.api.output_streams import TimeLimit, merge_streams, next_output
 from engine.api.protocol import (
-    APIError,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
-    TokenizeResponse,
-    UsageInfo,
-    model_not_found,
 )
 from engine.api.reasoning import ReasoningUse, end_token_ids, reasoning_use
 from engine.api.reasoning_parsers import REASONING_PARSERS
 from engine.api.render import CompletionFormat, chat_response, completion_response, usage_of
+from engine.api.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    UsageInfo,
+)
 from engine.api.stream import DONE, ChatDeltaTracker, CompletionDeltaTracker, sse_error
 from engine.api.tool_parsers import TOOL_CALL_PARSERS
 from engine.api.tools import ToolUse, check_tools, template_tools, tool_use

@@ -10,7 +10,10 @@ import json
 from typing import Any
 
 from engine.api.logprobs import TokenText, chat_logprobs, completion_logprobs
-from engine.api.protocol import (
+from engine.api.reasoning import ReasoningUse, reasoning_deltas
+from engine.api.reasoning_parsers import ReasoningDelta, ReasoningParser
+from engine.api.render import CompletionFormat, prompt_part, shown
+from engine.api.responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatLogprobs,
@@ -19,9 +22,6 @@ from engine.api.protocol import (
     PromptLogprob,
     UsageInfo,
 )
-from engine.api.reasoning import ReasoningUse, reasoning_deltas
-from engine.api.reasoning_parsers import ReasoningDelta, ReasoningParser
-from engine.api.render import CompletionFormat, prompt_part, shown
 from engine.api.tool_output import ToolCallDeltas
 from engine.api.tools import ToolUse
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.api.protocol import ChatResponseMessage, FunctionCall, ToolCall
+from engine.api.responses import ChatResponseMessage, FunctionCall, ToolCall
 from engine.api.tool_parsers import (
     CallArguments,
     CallStart,

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from jsonschema import SchemaError, validators
 
-from engine.api.protocol import APIError, ChatCompletionRequest, ChatTool, NamedToolChoice
+from engine.api.errors import APIError
+from engine.api.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
 from engine.api.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
 from engine.sampling_params import StructuredOutput
 
