@@ -90,6 +90,11 @@ CUT_SHORT = [
      [("get_weather", '{"city": "Pa')]),
     (MistralToolParser, 'Sure.[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", '
      '"arguments": {"q": "x\\"', "Sure.", [("f", "{}"), ("g", '{"q": "x\\"')]),
+    # tool_choice "required": the grammar allows a list of calls alone, so a call cut before
+    # its name is a piece of that list, not text.
+    (RequiredToolParser, '[{"name": "a", "parameters": {"x": 1}}, {"name": "comp', None,
+     [("a", '{"x": 1}')]),
+    (RequiredToolParser, '[{"na', "", []),
 ]  # fmt: skip
 
 

@@ -4,7 +4,7 @@ a named function's arguments, or for "required" a JSON list of
 
 from __future__ import annotations
 
-from engine.api.tool_parsers.base import CallArguments, CallStart, ToolParser
+from engine.api.tool_parsers.base import CallArguments, CallStart, Event, ToolParser
 from engine.api.tool_parsers.json_list import JSONListToolParser
 
 
@@ -32,3 +32,12 @@ class NamedToolParser(ToolParser):
 
 class RequiredToolParser(JSONListToolParser):
     arguments_keys = ("parameters",)
+
+    def finish(self) -> list[Event]:
+        # The grammar allows a list of calls alone: a call max_tokens cut before its name is
+        # a piece of that list, not text the model wrote.
+        self._read()
+        if self._call is not None and not self._started:
+            self._call = None
+            self._mode = "separator"
+        return super().finish()
