@@ -339,21 +339,14 @@ class OpenAIIngress:
             parsed = _REQUEST_TYPES[kind].model_validate_json(body)
         except ValidationError as e:
             raise validation_error(e) from None
-        if kind == "completion":
-            self._check_prompt_count(parsed.prompt)
-        return parsed
-
-    def _check_prompt_count(self, prompt: Any) -> None:
-        # A list of token ids is one prompt; a list of strings or of id lists is several.
-        if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
-            return
         limit = self.config.max_completion_prompts
-        if len(prompt) > limit:
+        if kind == "completion" and parsed.several_prompts and len(parsed.prompt) > limit:
             raise APIError(
-                f"prompt holds {len(prompt)} prompts; this server takes at most {limit} in "
-                "one request (max_completion_prompts)",
+                f"prompt holds {len(parsed.prompt)} prompts; this server takes at most {limit} "
+                "in one request (max_completion_prompts)",
                 param="prompt",
             )
+        return parsed
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_request_body_bytes

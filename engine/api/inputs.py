@@ -27,10 +27,7 @@ def prompt_param(request: CompletionRequest | ChatCompletionRequest, index: int)
     `prompt[1]` in a list of prompts; a chat's `messages`."""
     if isinstance(request, ChatCompletionRequest):
         return "messages"
-    prompt = request.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return "prompt"
-    return f"prompt[{index}]"
+    return f"prompt[{index}]" if request.several_prompts else "prompt"
 
 
 def structured_output_param(

@@ -126,6 +126,12 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
     """vLLM's: a text prompt gets the tokenizer's special tokens (a Llama 3's BOS)."""
 
+    @property
+    def several_prompts(self) -> bool:
+        """`prompt` lists several prompts (strings or id lists); a list of ids is one."""
+        prompt = self.prompt
+        return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
 
 class TextContentPart(_Request):
     type: Literal["text"]
