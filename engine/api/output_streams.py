@@ -99,7 +99,7 @@ async def next_output(
         reason = str(e).removeprefix("structured_output: ")
         raise APIError(f"{structured}: {reason}", param=structured) from None
     except ValueError as e:
-        raise APIError(str(e), param=getattr(e, "field", None)) from None
+        raise APIError(str(e)) from None
 
 
 async def merge_streams(
