@@ -250,7 +250,6 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=cache_salt,
             )
-            self.scheduler.check_request(request)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
@@ -284,15 +283,8 @@ class LLMEngine:
         return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *more])
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
-        max_len = self.config.scheduler_config.max_model_len
-        if not prompt_ids:
-            raise RequestInputError("prompt", "is empty")
-        if len(prompt_ids) >= max_len:
-            raise RequestInputError(
-                "prompt",
-                f"has {len(prompt_ids)} tokens; max_model_len is {max_len} "
-                f"(prompt plus at least one generated token must fit)",
-            )
+        # Before the grammar compiles and the samples are built.
+        self.scheduler.check_prompt_len(len(prompt_ids))
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestInputError(

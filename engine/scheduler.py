@@ -58,7 +58,10 @@ class Scheduler:
 
     def check_request(self, request: Request) -> None:
         """ValueError for a request that could never be scheduled."""
-        n = request.num_prompt_tokens
+        self.check_prompt_len(request.num_prompt_tokens)
+
+    def check_prompt_len(self, n: int) -> None:
+        """RequestInputError for a prompt of `n` tokens that could never be scheduled."""
         if n == 0:
             raise RequestInputError("prompt", "is empty: it needs at least one token")
         if n >= self.max_model_len:
