@@ -27,6 +27,7 @@
 # decode-caps: in process, llama3-8b, Poisson 16 req/s (two seeds) and 500 at once with
 #          max_prefill_tokens_with_decodes 0 (off), 512 and 1024 (or $DECODE_CAPS)
 # wakeups: bench.wakeups (a pipe round trip and a prompt's encoding after idle gaps)
+# wakeups-pinned: the same, each process pinned to a CPU of its own
 # encode-placement: bench.encode_placement (a prompt's encoding by the thread that loaded
 #          the tokenizer and the one that encodes, malloc's settings, in a Ray actor)
 # tp:      bench.suite for llama3-8b at TP=2 (latency, 1000 x 1024/128)
@@ -106,6 +107,7 @@ for s in "$@"; do
         stage allreduce-shared 120 python -m bench.allreduce --shared-devices
         cat "$out"/allreduce-*.log ;;
     wakeups) stage wakeups 120 python -m bench.wakeups --record ;;
+    wakeups-pinned) stage wakeups-pinned 120 python -m bench.wakeups --cpus 2,3 --record ;;
     encode-placement) stage encode-placement 420 python -m bench.encode_placement --ray --record
         grep -v '^{' "$out/encode-placement.log" ;;
     tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;

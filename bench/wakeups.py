@@ -8,12 +8,16 @@ This measures, for idle gaps of 0 (back to back), 50 ms and 600 ms (one 128-toke
 decode): the round trip of a small message between two processes over a pipe (one hop
 each way, as between a replica and its engine process), and the encoding of a 1,024-word
 prompt with the benchmark tokenizer. Medians, with the CPU's idle driver and governor.
+`--cpus 2,3` pins this process (and the encoding) to CPU 2 and the echo process to CPU 3
+(`--cpus 3`: both on 3): whether a process that wakes where it slept runs warmer than one
+the kernel places on any idle CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import random
 import statistics
 import tempfile
@@ -25,7 +29,9 @@ from bench.common import emit, read_setting
 GAPS_S = (0.0, 0.05, 0.6)
 
 
-def _echo(conn) -> None:
+def _echo(conn, cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     while True:
         message = conn.recv()
         if message is None:
@@ -47,11 +53,15 @@ def _timed(step, gap_s: float, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--cpus", help="CPU of this process[,CPU of the echo process]")
     args = parser.parse_args(argv)
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else []
+    if cpus:
+        os.sched_setaffinity(0, {cpus[0]})
 
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    echo = ctx.Process(target=_echo, args=(child,), daemon=True)
+    echo = ctx.Process(target=_echo, args=(child, cpus[-1] if cpus else None), daemon=True)
     echo.start()
     payload = b"x" * 256
 
@@ -71,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpuidle_driver": read_setting("/sys/devices/system/cpu/cpuidle/current_driver"),
         "cpuidle_governor": read_setting("/sys/devices/system/cpu/cpuidle/current_governor_ro"),
         "cpus": multiprocessing.cpu_count(),
+        "pinned_to": args.cpus,
     }
     for _ in range(50):  # warm both
         round_trip()
