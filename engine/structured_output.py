@@ -15,6 +15,12 @@ while a structured request runs the engine reads each step before it schedules t
 JSON is generated without optional whitespace: a small model offered free whitespace
 may spend its whole token budget on it.
 
+xgrammar accepts some JSON Schema assertions and then ignores them (`not`, `if`, `allOf` of
+several schemas, `uniqueItems`, `contains`, the `dependent*` keywords): an output would not
+follow them, so a schema that uses one is refused, naming it and where it is. So is a
+grammar that accepts no output at all (nothing may come first), whose masks would leave
+the sampler nothing to choose.
+
 A schema can take seconds to compile (a string of 100 to 2,000 characters took 1.2 s on a
 2-core machine), so an engine loop serving others compiles on a thread of its own
 (`compile_in_background`); xgrammar releases the GIL meanwhile.
@@ -54,7 +60,25 @@ class StructuredOutputs:
         return bool(self.matchers)
 
     def grammar(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar for `spec`; ValueError for a schema that cannot be followed."""
+        """The compiled grammar for `spec`; StructuredOutputError (a ValueError) for one that
+        cannot be followed, or whose output could not follow it (see above)."""
+        import xgrammar as xgr
+
+        if spec.json_schema is not None:
+            try:
+                unenforced = unenforced_keyword(json.loads(spec.json_schema))
+            except ValueError:
+                unenforced = None  # not JSON: the compiler names the problem
+            if unenforced is not None:
+                raise _cannot_follow(spec, f"{unenforced}: its grammar would not enforce it")
+        grammar = self._compile(spec)
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
+        if not mask.any():
+            raise _cannot_follow(spec, "it accepts no output at all")
+        return grammar
+
+    def _compile(self, spec: StructuredOutput) -> Any:
         import xgrammar as xgr
 
         if self.tokenizer is None:
@@ -76,11 +100,7 @@ class StructuredOutputs:
             schema = _OBJECT_SCHEMA if spec.json_schema is None else spec.json_schema
             return self._compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as e:  # xgrammar raises RuntimeError with the reason
-            what = {"json_schema": "a JSON schema", "regex": "a regular expression"}
-            raise StructuredOutputError(
-                f"structured_output: {what.get(spec.kind, 'a grammar')} this server cannot "
-                f"follow: {_reason(e)}"
-            ) from None
+            raise _cannot_follow(spec, _reason(e)) from None
 
     def compile_in_background(self, spec: StructuredOutput) -> Future:
         """`grammar(spec)` on the compile thread (one: compiles run in arrival order, and
@@ -156,6 +176,60 @@ class _Preamble:
                 self.ended = True
                 return list(token_ids[i + 1 :])
         return []
+
+
+_UNENFORCED = frozenset(
+    {"not", "if", "contains", "dependentRequired", "dependentSchemas", "dependencies"}
+)
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
+_SCHEMA_VALUES = frozenset(
+    {
+        "items",
+        "additionalItems",
+        "additionalProperties",
+        "propertyNames",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    }
+)
+
+
+def unenforced_keyword(schema: Any, where: str = "#") -> str | None:
+    """The first assertion of JSON schema `schema` that xgrammar would not enforce, with its
+    JSON pointer (`"uniqueItems" at #/properties/tags`); None if there is none. Values of
+    data keywords (`const`, `enum`, `default`) and property names are not keywords."""
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        at = f"{where}/{_pointer_part(key)}"
+        several = key == "allOf" and isinstance(value, list) and len(value) > 1
+        if key in _UNENFORCED or several or (key == "uniqueItems" and value is True):
+            return f'"{key}"{" of several schemas" if several else ""} at {at}'
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            parts = [(f"{at}/{_pointer_part(name)}", sub) for name, sub in value.items()]
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            parts = [(f"{at}/{i}", sub) for i, sub in enumerate(value)]
+        elif key in _SCHEMA_VALUES:
+            parts = [(at, value)]
+        else:
+            continue
+        for sub_where, sub in parts:
+            found = unenforced_keyword(sub, sub_where)
+            if found is not None:
+                return found
+    return None
+
+
+def _pointer_part(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _cannot_follow(spec: StructuredOutput, reason: str) -> StructuredOutputError:
+    what = {"json_schema": "a JSON schema", "regex": "a regular expression"}
+    return StructuredOutputError(
+        f"structured_output: {what.get(spec.kind, 'a grammar')} this server cannot follow: {reason}"
+    )
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:

@@ -443,6 +443,13 @@ CALL = {"id": "c", "type": "function", "function": {"name": "get_weather", "argu
         ({"tools": [_tool("f", {"$id": "https://x.org/f", "properties": {"b": {"$ref": "g"}}})],
           "tool_choice": "required"},
          "tools[0].function.parameters", "'g' is not a JSON pointer"),
+        ({"tools": [WEATHER, _tool("f", {"properties": {"tags": {
+            "type": "array", "items": {"type": "string"}, "uniqueItems": True}}})],
+          "tool_choice": "required"},
+         "tools[1].function.parameters", '"uniqueItems" at #/properties/tags/uniqueItems'),
+        ({"tools": [_tool("f", {"properties": {"n": {"type": "integer", "not": {"const": 3}}}})],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools[0].function.parameters", '"not" at #/properties/n/not'),
     ],
 )  # fmt: skip
 def test_bad_tool_input_is_a_400_naming_the_field(tokenizer, fields, param, words):

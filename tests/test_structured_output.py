@@ -227,6 +227,63 @@ def test_a_schema_that_cannot_be_followed_is_refused_and_the_engine_goes_on(llm)
     assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "integer", "not": {"const": 3}}, '"not" at #/not'),
+        ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+         '"uniqueItems" at #/properties/tags/uniqueItems'),
+        ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, '"allOf" of several schemas at #/allOf'),
+        ({"type": "integer", "if": {"minimum": 0}, "then": {"maximum": 5}}, '"if" at #/if'),
+        ({"type": "array", "items": {"anyOf": [{"contains": {"const": 1}}]}},
+         '"contains" at #/items/anyOf/0/contains'),
+        ({"$defs": {"a/b": {"dependentRequired": {"x": ["y"]}}}, "$ref": "#/$defs/a~1b"},
+         '"dependentRequired" at #/$defs/a~1b/dependentRequired'),
+    ],
+)  # fmt: skip
+def test_a_schema_asking_what_the_grammar_would_ignore_is_refused_naming_where(llm, schema, where):
+    # xgrammar compiles these and then ignores the keyword: the output would not follow it.
+    params = SamplingParams(structured_output=StructuredOutput(json.dumps(schema)))
+    with pytest.raises(ValueError, match="would not enforce") as info:
+        llm.engine.add_request("ignored", [1, 2, 3], params)
+    assert where in str(info.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_keyword_names_in_data_and_property_names_and_no_op_forms_are_followed(llm):
+    schema = {
+        "type": "object",
+        "properties": {
+            "not": {
+                "type": "array",
+                "items": {"enum": [1, 2]},
+                "maxItems": 2,
+                "uniqueItems": False,
+            },
+            "if": {"allOf": [{"const": {"contains": 1}}]},
+        },
+        "required": ["not", "if"],
+        "additionalProperties": False,
+    }
+    ids = _chat_ids(llm, "Give me a JSON object.")
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_output=StructuredOutput(json.dumps(schema))
+    )
+    value = json.loads(llm.generate([ids], params)[0].outputs[0].text)
+    assert set(value["not"]) <= {1, 2} and value["if"] == {"contains": 1}
+
+
+def test_a_grammar_that_accepts_no_output_is_refused(llm):
+    # Its first mask would allow no token at all, leaving the sampler nothing to choose.
+    for spec in (
+        StructuredOutput(regex="[^\\x00-\\U0010FFFF]"),
+        StructuredOutput(grammar="root ::= [^\\x00-\\U0010FFFF]"),
+    ):
+        with pytest.raises(ValueError, match="accepts no output at all"):
+            llm.engine.add_request("empty", [1, 2, 3], SamplingParams(structured_output=spec))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_schema_compiling_holds_up_no_other_request(llm, monkeypatch):
     # Some schemas compile for seconds; the engine goes on serving the others meanwhile.
     release = threading.Event()

@@ -21,6 +21,7 @@ from engine.api.errors import APIError
 from engine.api.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
 from engine.api.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
 from engine.sampling_params import StructuredOutput
+from engine.structured_output import unenforced_keyword
 
 _NO_ARGUMENTS = {"type": "object", "additionalProperties": False}
 """A function without parameters takes `{}`."""
@@ -185,7 +186,15 @@ def _calls_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
 def _grammar_parameters(tools: list[ChatTool], index: int, root: str) -> dict[str, Any]:
     """Tool `index`'s parameters for a grammar that holds them at JSON pointer `root`."""
     parameters = tools[index].function.parameters or _NO_ARGUMENTS
-    return _rebased(parameters, root, f"tools[{index}].function.parameters")
+    param = f"tools[{index}].function.parameters"
+    unenforced = unenforced_keyword(parameters)
+    if unenforced is not None:
+        raise APIError(
+            f'{param}: {unenforced}, which the grammar of a named tool_choice or "required" '
+            "would not enforce",
+            param=param,
+        )
+    return _rebased(parameters, root, param)
 
 
 def _rebased(schema: Any, root: str, param: str) -> Any:
