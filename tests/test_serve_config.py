@@ -287,6 +287,26 @@ def test_direct_ingress_runs_haproxy_without_splicing(monkeypatch):
     assert version.returncode == 0 and "HAProxy version" in version.stdout
 
 
+def test_haproxy_busy_polling_is_a_global_setting_haproxy_accepts(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    env = {**node_env(), "TMPDIR": str(tmp_path)}
+    config = tmp_path / "serve.cfg"
+    config.write_text(
+        "global\n    nbthread 1\ndefaults\n    mode http\n"
+        "frontend f\n    bind 127.0.0.1:18999\n    http-request return status 200\n"
+    )
+    check = [env["RAY_SERVE_HAPROXY_BINARY_PATH"], "-c", "-f", str(config)]
+    plain = subprocess.run(check, env=env, capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr
+    assert not (tmp_path / "kvray-haproxy-busy-polling.cfg").exists()
+    busy = subprocess.run(
+        check, env={**env, "KVRAY_HAPROXY_BUSY_POLLING": "1"}, capture_output=True, text=True
+    )
+    assert busy.returncode == 0, busy.stderr  # a directive HAProxy did not know would fail
+    extra = (tmp_path / "kvray-haproxy-busy-polling.cfg").read_text().split()
+    assert extra == ["global", "busy-polling"]
+
+
 def test_colocated_ingress_takes_the_engine_replicas_options():
     config = load_app_config({"device": "cpu", "colocate_ingress": True, "max_replicas": 3})
     ingress = build_openai_app(config)._bound_deployment
