@@ -89,6 +89,9 @@ def validation_error(e: ValidationError) -> APIError:
     if problem[0]["type"] == "extra_forbidden":
         return APIError(f"{param} is not a supported field", param=param)
     msg = " or ".join(dict.fromkeys(err["msg"] for err in problem))
+    if problem[0]["type"] in ("literal_error", "enum"):
+        sent = repr(problem[0]["input"])
+        msg += f", got {sent if len(sent) <= 60 else sent[:57] + '...'}"
     return APIError(f"{param}: {msg}", param=param)
 
 
