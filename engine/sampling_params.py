@@ -224,9 +224,11 @@ class SamplingParams:
                 raise ValueError(
                     f"structured_output must be a StructuredOutput, got {self.structured_output!r}"
                 )
+            # A finished value allows only EOS, which these would block or pass over.
             if self.min_tokens:
-                # A finished JSON value allows only EOS, which min_tokens would block.
                 raise ValueError("min_tokens cannot be combined with structured_output")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured_output")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

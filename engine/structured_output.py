@@ -136,7 +136,15 @@ class StructuredOutputs:
         import xgrammar as xgr
 
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        self.matchers[request_id].fill_next_token_bitmask(mask)
+        matcher = self.matchers[request_id]
+        if matcher.is_terminated():
+            # The value is complete (its end token accepted): only that end may follow.
+            # SamplingParams refuses what would sample on past it (ignore_eos, min_tokens).
+            words = np.zeros(mask.shape[1], dtype=np.int32)
+            if self.eos_token_id is not None:
+                words.view(np.uint32)[self.eos_token_id // 32] = 1 << (self.eos_token_id % 32)
+            return words
+        matcher.fill_next_token_bitmask(mask)
         return mask[0].numpy()
 
     def accept(self, request_id: str, token_ids: list[int]) -> None:

@@ -189,7 +189,13 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
         ("chat", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice 'required'"),
     ],
 )
-def test_min_tokens_with_a_structured_output_names_the_request_field(served, kind, fields, named):
-    error = _error(served[0], kind, {**fields, "min_tokens": 1})
-    assert error.param == "min_tokens"
-    assert error.message == f"min_tokens cannot be combined with {named}"
+@pytest.mark.parametrize("blocking", [{"min_tokens": 1}, {"ignore_eos": True}])
+def test_what_would_run_past_a_structured_outputs_end_is_refused_naming_both_fields(
+    served, kind, fields, named, blocking
+):
+    # A finished value allows only EOS: min_tokens would block it, ignore_eos pass over it
+    # (a finished grammar asked for another mask once stopped the engine loop).
+    (field,) = blocking
+    error = _error(served[0], kind, {**fields, **blocking})
+    assert error.param == field
+    assert error.message == f"{field} cannot be combined with {named}"

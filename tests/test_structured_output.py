@@ -222,6 +222,8 @@ def test_a_schema_that_cannot_be_followed_is_refused_and_the_engine_goes_on(llm)
             llm.engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=spec))
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, structured_output=StructuredOutput())
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_output=StructuredOutput())
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))[0]
     assert len(out.outputs[0].token_ids) == 3
@@ -271,6 +273,24 @@ def test_keyword_names_in_data_and_property_names_and_no_op_forms_are_followed(l
     )
     value = json.loads(llm.generate([ids], params)[0].outputs[0].text)
     assert set(value["not"]) <= {1, 2} and value["if"] == {"contains": 1}
+
+
+def test_a_finished_grammar_allows_only_the_end_token_where_asked_again(llm):
+    structured = llm.engine.structured
+    eos = structured.eos_token_id
+    structured.add("done", structured.grammar(StructuredOutput(choice=("yes", "no"))))
+    try:
+        structured.accept("done", llm.engine.tokenizer.encode("yes", add_special_tokens=False))
+        before = _allowed(structured.bitmask("done"))
+        structured.accept("done", [eos])
+        assert eos in before and structured.matchers["done"].is_terminated()
+        assert _allowed(structured.bitmask("done")).tolist() == [eos]  # xgrammar would raise
+    finally:
+        structured.remove("done")
+
+
+def _allowed(words: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
 
 
 def test_a_grammar_that_accepts_no_output_is_refused(llm):

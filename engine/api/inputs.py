@@ -96,13 +96,19 @@ def to_sampling_params(
             code="context_length_exceeded",
         )
     structured = _structured_output(request, tools)
-    if request.min_tokens and structured is not None:
+    blocking_eos = [
+        f
+        for f, on in (("min_tokens", request.min_tokens), ("ignore_eos", request.ignore_eos))
+        if on
+    ]
+    if blocking_eos and structured is not None:
         if tools is not None and tools.structured_output is not None:
             given = f"tool_choice {tools.choice!r}"
         else:
             given = structured_output_param(request, tools)
-        # A finished value allows only EOS, which min_tokens would block.
-        raise APIError(f"min_tokens cannot be combined with {given}", param="min_tokens")
+        # A finished value allows only EOS, which these would block or pass over.
+        field = blocking_eos[0]
+        raise APIError(f"{field} cannot be combined with {given}", param=field)
     if reasoning is not None:
         structured = reasoning.structured_output(structured)
     optional = {
