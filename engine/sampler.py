@@ -136,11 +136,13 @@ def build_sampling_batch(
             batch.top_p = _tensor([p.top_p for p in params], torch.float32, device)
         if any(p.min_p > 0.0 for p in random_params):
             batch.min_p = _tensor([p.min_p for p in params], torch.float32, device)
-        batch.generators = {
-            i: gen
-            for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
-            if gen is not None and not g
-        }
+        batch.generators = {}
+        for i, (gen, g) in enumerate(zip(generators, greedy, strict=True)):
+            if gen is None or g:
+                continue
+            if params[i].seed is not None:
+                gen.manual_seed(token_seed(params[i].seed, num_output_tokens[i]))
+            batch.generators[i] = gen
 
     use_repetition = any(p.repetition_penalty != 1.0 for p in params)
     use_frequency = any(p.frequency_penalty != 0.0 for p in params)
@@ -370,6 +372,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """
     threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
     return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The seed of the draw for a request's `index`-th output token (splitmix64 of the two).
+
+    Each token draws from a stream of its own rather than the next numbers of one stream:
+    a request preempted and recomputed is sent to the workers anew, and a generator seeded
+    once would then start over, so its tokens after the preemption differed from those it
+    draws running through.
+    """
+    z = ((seed & _MASK64) + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -390,3 +390,18 @@ def test_logit_bias_steers_generation_and_refuses_ids_outside_the_vocabulary():
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, allowed_token_ids=allowed)
     for out in llm.generate(PROMPTS[:2], params):
         assert set(out.outputs[0].token_ids) <= set(allowed)
+
+
+def test_a_seeded_request_preempted_midway_samples_what_it_samples_running_through():
+    llm = LLM("tiny-llama", load_format="dummy", max_model_len=128, num_gpu_blocks=24,
+              block_size=4, enable_prefix_caching=False)  # fmt: skip
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=40, ignore_eos=True)
+    prompt = list(range(1, 9))
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    before = llm.engine.stats()["num_preemptions"]
+    # The seeded request arrives last, so it is the first the scheduler preempts.
+    fillers = [[i + 20] * 8 for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    crowded = llm.generate([*fillers, prompt], [greedy] * 3 + [seeded])
+    assert llm.engine.stats()["num_preemptions"] > before
+    assert crowded[-1].outputs[0].token_ids == alone
