@@ -35,6 +35,7 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.requests import ClientDisconnect
 
 from cluster.app_config import AppConfig
 from cluster.http_app import (
@@ -67,6 +68,9 @@ _REQUEST_TYPES = {
     "detokenize": DetokenizeRequest,
 }
 
+
+CLIENT_GONE = 499
+"""The status a request whose client went away is counted under (nginx's, and Serve's)."""
 
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")
 
@@ -283,7 +287,7 @@ class OpenAIIngress:
     async def detokenize(self, request: Request) -> JSONResponse:
         return await self._tokenizer_call(request, "detokenize")
 
-    async def _tokenizer_call(self, request: Request, kind: str) -> JSONResponse:
+    async def _tokenizer_call(self, request: Request, kind: str) -> Response:
         """vLLM's /tokenize and /detokenize: the server's tokenizer, no engine step."""
         try:
             self.resolver.resolve(request.headers)
@@ -293,6 +297,8 @@ class OpenAIIngress:
                 raise result
         except APIError as e:
             return error_response(e)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse(result)
 
     async def _generate(self, request: Request, kind: str) -> Response:
@@ -324,9 +330,13 @@ class OpenAIIngress:
             if e.status_code == 429:
                 self.tenant_metrics.rejected(model_name, tenant_name, e.code or "rate_limited")
             return error_response(e)
+        except ClientDisconnect:
+            # Gone while its body was read: nothing was started, no one to answer.
+            self.tenant_metrics.request_done(model_name, tenant_name, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
         except Exception as e:
             self.tenant_metrics.request_done(
-                model_name, tenant_name, 499 if isinstance(e, TaskCancelledError) else 500
+                model_name, tenant_name, CLIENT_GONE if isinstance(e, TaskCancelledError) else 500
             )
             raise
         self.tenant_metrics.request_done(model_name, tenant_name, response.status_code)

@@ -341,3 +341,32 @@ def test_a_completion_of_more_prompts_than_max_completion_prompts_is_a_400(promp
 
 def test_max_completion_prompts_defaults_to_vllms_1024():
     assert load_app_config(SMALL).max_completion_prompts == 1024
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_client_gone_while_its_body_is_read_is_counted_as_gone_not_an_error(monkeypatch, path):
+    monkeypatch.setattr(deployments, "RayMetricsSink", _Counted)
+    _Counted.incs = []
+    host = _FakeHost("small", 256)
+
+    async def go() -> list[dict]:
+        ingress = await _ingress({}, LocalServer(host, 8))
+        app = ingress.__serve_build_asgi_app__()
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "query_string": b""}  # fmt: skip
+        sent = []
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)  # ClientDisconnect escaped here: Serve logged a 500
+        return sent
+
+    sent = asyncio.run(go())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert host.asked == []
+    done = [labels["code"] for name, labels in _Counted.incs if name == "kvray_http_requests"]
+    assert done == (["499"] if path != "/tokenize" else [])
