@@ -135,15 +135,15 @@ class StructuredOutputs:
         """int32 words, bit i of word w set where token 32w + i may come next."""
         import xgrammar as xgr
 
-        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher = self.matchers[request_id]
         if matcher.is_terminated():
             # The value is complete (its end token accepted): only that end may follow.
             # SamplingParams refuses what would sample on past it (ignore_eos, min_tokens).
-            words = np.zeros(mask.shape[1], dtype=np.int32)
+            words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
             if self.eos_token_id is not None:
                 words.view(np.uint32)[self.eos_token_id // 32] = 1 << (self.eos_token_id % 32)
             return words
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(mask)
         return mask[0].numpy()
 
