@@ -26,7 +26,7 @@ from engine.generation_config import GenerationDefaults
 from engine.hop_trace import hop
 from engine.metrics import BufferedSink
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestInputError, SamplingParams
 from engine.tokenizer import encode_text
 
 METRICS_SPREAD_S = 1.0
@@ -331,6 +331,12 @@ class AsyncEngine:
         """
         if self._dead is not None:
             raise self._dead
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if not isinstance(prompt, str | list | tuple):
+            raise RequestInputError(
+                "prompt", f"must be text or token ids (ints), got {type(prompt).__name__}"
+            )
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop())

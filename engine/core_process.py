@@ -28,6 +28,7 @@ from engine.core_loop import AddOp, CoreLoop, Op, Results
 from engine.gc_pauses import freeze_startup_heap
 from engine.metrics import BufferedSink
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import truncate_prompt
 
 # A delta of one request: (request_id, finished, num_cached_tokens, (prompt, prompt ids) on
 # its first delta else None, completion deltas, prompt logprobs on the first delta that has
@@ -333,7 +334,7 @@ class ProcessCore:
     def submit(self, op: Op | None) -> bool:
         """False when the engine process can no longer be reached."""
         if isinstance(op, AddOp) and not isinstance(op.prompt, str):
-            self._prompt_ids[op.request_id] = list(op.prompt)
+            self._prompt_ids[op.request_id] = self._prompt_as_taken(op)
         if isinstance(op, AddOp):
             hop_trace.hop("submit")
         try:
@@ -343,6 +344,14 @@ class ProcessCore:
         except (OSError, ValueError):
             self._prompt_ids.pop(getattr(op, "request_id", None), None)
             return False
+
+    def _prompt_as_taken(self, op: AddOp) -> list[int]:
+        """The ids the engine process will keep of `op`'s prompt (truncate_prompt_tokens)."""
+        try:
+            keep = op.sampling_params.truncate_prompt_tokens
+            return truncate_prompt(list(op.prompt), keep, self.info["max_model_len"])
+        except ValueError:
+            return list(op.prompt)  # the engine process refuses it and says why
 
     def is_alive(self) -> bool:
         return self._process.is_alive() and self._reader.is_alive()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -206,8 +207,14 @@ class LLMEngine:
         """Queue a request; ValueError for input the engine cannot serve. `grammar`: the one
         `compile_grammar` returned for its structured_output (else it is compiled here).
         Returns the request's output as taken: its prompt, no tokens yet."""
-        if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        n = sampling_params.n
+        # A request's samples run as `id#i` when n > 1: no id may be another's sample's.
+        ids = [request_id] if n == 1 else [request_id, *(f"{request_id}#{i}" for i in range(n))]
+        taken = next((i for i in ids if i in self._parents or i in self._sample_parent), None)
+        if taken is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use ({taken!r} runs)")
         if isinstance(prompt, str):
             prompt_text, prompt_ids = prompt, self.encode(prompt)
         else:
@@ -239,7 +246,10 @@ class LLMEngine:
                 params = dataclasses.replace(
                     sampling_params,
                     n=1,
-                    seed=None if sampling_params.seed is None else sampling_params.seed + i,
+                    # Wrapped into the range a seed takes (the stream is the same).
+                    seed=None
+                    if sampling_params.seed is None
+                    else (sampling_params.seed + i) % 2**64,
                 )
             request = Request(
                 request_id=sample_id,
@@ -285,11 +295,19 @@ class LLMEngine:
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         # Before the grammar compiles and the samples are built.
         self.scheduler.check_prompt_len(len(prompt_ids))
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestInputError(
-                "prompt", f"token id {bad[0]} is out of range [0, {self.vocab_size})"
-            )
+        bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < self.vocab_size]
+        if not bad:
+            return
+        for t in bad:
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                raise RequestInputError(
+                    "prompt", f"must be text or token ids (ints), got {type(t).__name__} {t!r}"
+                )
+            if not 0 <= t < self.vocab_size:
+                raise RequestInputError(
+                    "prompt", f"token id {t} is out of range [0, {self.vocab_size})"
+                )
+        prompt_ids[:] = [int(t) for t in prompt_ids]  # numpy's integers, say
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """The request's own ids are in the vocabulary (SamplingParams checks them >= 0);

@@ -69,7 +69,7 @@ class StructuredOutput:
     def __post_init__(self) -> None:
         after = self.starts_after_token_ids
         if after is not None:
-            if isinstance(after, str | bytes) or not all(isinstance(t, int) for t in after):
+            if not isinstance(after, list | tuple) or not all(isinstance(t, int) for t in after):
                 raise StructuredOutputError(
                     "structured_output.starts_after_token_ids must be a list of token ids"
                 )

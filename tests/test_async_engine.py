@@ -7,12 +7,14 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.core_process import OutputDecoder, OutputEncoder
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampling_params import (
+    RequestInputError,
     RequestOutputKind,
     SamplingParams,
     StructuredOutput,
@@ -409,3 +411,54 @@ def test_a_batch_of_metric_events_is_recorded_a_few_at_a_time(monkeypatch):
         return counts
 
     assert asyncio.run(go()) == [5, 10, 15, 20, 25, 30, 35, 40, 45]
+
+
+def test_an_id_that_is_another_requests_sample_is_refused_and_the_loop_keeps_serving(engine):
+    # n > 1 runs samples `id#0`, `id#1`: a request named so once overwrote the sample's
+    # owner and the engine loop then died on the next step, failing every request.
+    two = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
+
+    async def run():
+        running = asyncio.ensure_future(_collect(engine, PROMPTS[0], "x", two))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="'x#0' is already in use"):
+            await _collect(engine, PROMPTS[1], "x#0")
+        first = await running
+        lone = asyncio.ensure_future(_collect(engine, PROMPTS[1], "y#1", GREEDY))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="already in use"):
+            await _collect(engine, PROMPTS[0], "y", two)
+        return first, await lone
+
+    first, lone = asyncio.run(run())
+    assert first[-1].finished and len(first[-1].outputs) == 2 and lone[-1].finished
+    assert engine.is_healthy and engine.num_requests == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "words"),
+    [(None, "got NoneType"), (5, "got int"), ([1.5, 2.0], "got float 1.5"),
+     ([1, True], "got bool True"), (["a"], "got str 'a'"), ([[1]], "got list [1]")],
+)  # fmt: skip
+def test_a_prompt_that_is_neither_text_nor_ids_is_a_value_error_naming_it(engine, prompt, words):
+    with pytest.raises(RequestInputError, match="prompt must be text or token ids") as info:
+        asyncio.run(_collect(engine, prompt, f"bad-{words}"))
+    assert words in str(info.value) and info.value.field == "prompt"
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        asyncio.run(_collect(engine, [1, 2], None))
+    assert engine.num_requests == 0  # the process engine once kept the stream of None
+    ids = asyncio.run(_collect(engine, list(np.arange(3, 9)), f"numpy-{words}"))
+    assert ids[-1].prompt_token_ids == list(range(3, 9)) and ids[-1].finished
+
+
+def test_a_truncated_prompt_comes_back_as_the_engine_kept_it(engine):
+    keep = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=4, prompt_logprobs=0)
+    final = asyncio.run(_collect(engine, list(range(10, 20)), "truncated", keep))[-1]
+    assert final.prompt_token_ids == [16, 17, 18, 19]
+    assert len(final.prompt_logprobs) == 4
+
+
+def test_the_largest_seed_with_several_samples_is_served(engine):
+    params = SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=4)
+    final = asyncio.run(_collect(engine, PROMPTS[2], "big-seed", params))[-1]
+    assert final.finished and all(len(o.token_ids) == 4 for o in final.outputs)

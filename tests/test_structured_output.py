@@ -14,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams, StructuredOutput
 from engine.async_engine import AsyncEngine
 from engine.sampler import build_sampling_batch, sample
+from engine.sampling_params import StructuredOutputError
 
 PERSON = {
     "type": "object",
@@ -178,6 +179,9 @@ def test_a_grammar_after_a_preamble_applies_from_the_token_after_its_end(llm):
     with pytest.raises(ValueError, match="starts_after_token_ids must not be empty"):
         StructuredOutput(regex="a", starts_after_token_ids=())
     assert StructuredOutput(starts_after_token_ids=[1, 2]).starts_after_token_ids == (1, 2)
+    for bad in (5, "ab", [1, "2"]):  # an int was a TypeError
+        with pytest.raises(StructuredOutputError, match="list of token ids"):
+            StructuredOutput(regex="a", starts_after_token_ids=bad)
 
 
 def test_one_kind_of_structured_output_at_a_time():
