@@ -334,6 +334,9 @@ def apply_penalties(
         seen = output_mask if prompt_token_mask is None else output_mask | prompt_token_mask
         scale = torch.where(seen, repetition_penalty, 1.0)
         logits = torch.where(logits > 0, logits / scale, logits * scale)
+        # A penalty near 0 (1e-39 is valid) overflows seen positive logits to +inf, and a
+        # softmax over several infinities is NaN: keep them the largest finite value instead.
+        logits.clamp_(max=torch.finfo(logits.dtype).max)
     if frequency_penalty is not None:
         logits -= frequency_penalty * output_token_counts
     if presence_penalty is not None:
@@ -361,6 +364,8 @@ def apply_top_k_top_p(
         mass_before = probs.cumsum(dim=-1) - probs
         # Rounding can push the cumulative sum past 1.0, so rows with p == 1 are exempt.
         outside = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        # A p that rounds to 0 in float32 (1e-50) would leave no token at all.
+        outside[:, 0] = False
         sorted_logits.masked_fill_(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 

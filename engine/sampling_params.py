@@ -328,7 +328,8 @@ def _token_ids(name: str, ids: object) -> list[int]:
         return []
     if not isinstance(ids, list | tuple):
         raise ValueError(f"{name} must be a list of int, got {type(ids).__name__}")
-    return [_int(name, i, lo=0) for i in ids]
+    # Within int64, like logit_bias: the ids become int64 arrays (the engine checks the vocabulary).
+    return [_int(name, i, lo=0, hi=2**63 - 1) for i in ids]
 
 
 MAX_LOGIT_BIAS = 100.0

@@ -111,6 +111,29 @@ def test_top_k_alone_and_top_p_alone():
         assert kept == naive_support(logits[i], 0, p)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_p=1e-50),  # 0 in float32
+        SamplingParams(top_k=3, top_p=1e-46),
+        SamplingParams(repetition_penalty=1e-39),  # seen positive logits overflow
+        SamplingParams(repetition_penalty=1e-39, top_p=0.5),
+    ],
+)
+def test_extreme_valid_filters_still_sample_a_token_they_allow(params):
+    logits = torch.randn(1, V, generator=seeded(11)) * 3
+    best = int(logits.argmax())
+    prompt = [best, (best + 1) % V]
+    torch.manual_seed(0)
+    tokens = run(logits.expand(50, V), [params] * 50, prompts=[prompt] * 50).token_ids
+    if params.repetition_penalty == 1.0:
+        assert set(tokens) == {best}, tokens  # the nucleus is the most likely token alone
+    else:
+        # A penalty below 1 favours the prompt's tokens; one with a positive logit wins.
+        positive_seen = {t for t in prompt if logits[0, t] > 0}
+        assert positive_seen and set(tokens) <= positive_seen, tokens
+
+
 def test_min_p_mask_matches_naive_per_row():
     logits = torch.randn(5, V, generator=seeded(5)) * 2
     min_p = [0.0, 0.05, 0.2, 0.5, 1.0]

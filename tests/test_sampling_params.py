@@ -98,6 +98,8 @@ def test_survives_pickling():
         ({"logit_bias": {7: float("inf")}}, "logit_bias"),
         ({"logit_bias": {7: "up"}}, "logit_bias"),
         ({"logit_bias": {2**63: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [2**64]}, "allowed_token_ids"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(kwargs, field):
