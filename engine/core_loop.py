@@ -56,7 +56,7 @@ class Results:
     outputs: list[RequestOutput] = field(default_factory=list)
     """Outputs of the requests added this round (no tokens yet) and of the step run."""
     failed: list[tuple[str, BaseException]] = field(default_factory=list)
-    """Requests the engine refused (request id, the engine's exception)."""
+    """Requests the engine refused, or a step failed on alone (request id, the error)."""
     ended: list[str] = field(default_factory=list)
     """Requests aborted by an AbortOp: their streams just end."""
     calls: list[tuple[int, Any, BaseException | None]] = field(default_factory=list)
@@ -124,6 +124,9 @@ class CoreLoop:
         if self.engine.has_unfinished_requests():
             results.outputs += self.engine.step()
             self.num_steps += 1
+            for request_id, error in self.engine.take_failed():
+                self._live.discard(request_id)
+                results.failed.append((request_id, error))
         for output in results.outputs:
             if output.finished:
                 self._live.discard(output.request_id)

@@ -23,7 +23,7 @@ from engine.generation_config import (
 )
 from engine.loader import ModelSource, load_hf_config, resolve_model_source, served_names
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import (
     RequestInputError,
@@ -121,6 +121,9 @@ class LLMEngine:
         self._parents: dict[str, _ParentRequest] = {}
         self._sample_parent: dict[str, str] = {}
         self._pending: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self._failed: dict[str, RequestFailedError] = {}
+        """Requests a step failed on their own (parent id -> error), aborted, until
+        take_failed() hands them over."""
         """Steps launched whose tokens are not read yet, oldest first."""
         self.metrics: EngineMetrics | None = None
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_id)
@@ -362,11 +365,13 @@ class LLMEngine:
             # that does not reach the prompt's end samples nothing. Nothing was in flight
             # (see above), so a request samples now exactly when it holds a placeholder.
             requests = self.scheduler.requests
-            scheduler_output.grammar_bitmask = {
-                rid: self.structured.bitmask(rid)
-                for rid in scheduler_output.num_scheduled_tokens
-                if self.structured.constrains(rid) and requests[rid].num_output_placeholders
-            }
+            masks = scheduler_output.grammar_bitmask = {}
+            for rid in scheduler_output.num_scheduled_tokens:
+                if self.structured.constrains(rid) and requests[rid].num_output_placeholders:
+                    try:
+                        masks[rid] = self.structured.bitmask(rid)
+                    except Exception as e:  # it samples unconstrained, then is aborted
+                        self._fail(rid, e)
         if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
             # Every runnable request waits for a step in flight: read that one, then schedule
             # again (this step's finished ids go to the workers with the next step).
@@ -380,7 +385,23 @@ class LLMEngine:
         )
         while len(self._pending) > max_pending:
             outputs += self._complete(*self._pending.popleft())
+        if self._failed:
+            outputs = [o for o in outputs if o.request_id not in self._failed]
+            self.abort_request(list(self._failed))
         return outputs
+
+    def take_failed(self) -> list[tuple[str, RequestFailedError]]:
+        """The requests steps failed on their own since the last call (already aborted):
+        their callers hear the error here, as no output of theirs will come."""
+        failed, self._failed = list(self._failed.items()), {}
+        return failed
+
+    def _fail(self, sample_id: str, error: Exception) -> None:
+        parent_id = self._sample_parent.get(sample_id)
+        if parent_id is not None and parent_id not in self._failed:
+            self._failed[parent_id] = RequestFailedError(
+                f"request {parent_id} failed: {type(error).__name__}: {error}"
+            )
 
     def _max_pending(self) -> int:
         """Steps that may stay in flight when step() returns."""
@@ -395,9 +416,15 @@ class LLMEngine:
             parent_id = self._sample_parent.get(request.request_id)
             if parent_id is None:
                 continue
+            if parent_id in self._failed:
+                continue
             parent = self._parents[parent_id]
             sample = parent.samples[_sample_index(request.request_id, parent)]
-            self._process_sample(sample, runner_output.logprobs.get(request.request_id))
+            try:
+                self._process_sample(sample, runner_output.logprobs.get(request.request_id))
+            except Exception as e:
+                self._fail(request.request_id, e)
+                continue
             touched[parent_id] = parent
         for sample_id, (first, entries) in runner_output.prompt_logprobs.items():
             parent = self._parents.get(self._sample_parent.get(sample_id, ""))
@@ -405,6 +432,8 @@ class LLMEngine:
                 parent.add_prompt_logprobs(first, entries)
         outputs = []
         for parent in touched.values():
+            if parent.request_id in self._failed:
+                continue  # step() aborts it
             finished = parent.finished
             if finished or not parent.final_only:
                 outputs.append(self._make_output(parent))
@@ -598,6 +627,10 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                failed = self.engine.take_failed()
+                if failed:
+                    self.engine.abort_request(ids)
+                    raise failed[0][1]
         return [finished[rid] for rid in ids]
 
     def chat(

@@ -45,3 +45,8 @@ class RequestOutput:
     token precedes it); each the prompt token's logprob given the tokens before it, and the
     top-N there. Complete from the first output after the prompt was computed (the output
     that carries the first generated token); None before and without the option."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step failed on this request alone (its grammar or its detokenizer raised): the
+    engine aborted it, freed its KV cache and goes on with the others."""

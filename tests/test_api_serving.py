@@ -26,7 +26,7 @@ from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.async_engine import EngineDeadError
 from engine.bundled import bundled_model_path
 from engine.generation_config import GenerationDefaults
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput, TokenLogprobs
 from engine.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -54,13 +54,16 @@ class ScriptedEngine:
         step_delay_s: float = 0.0,
         fail: BaseException | None = None,
         refuse: str | None = None,
+        fail_at_step: int = 0,
     ):
-        """`fail`: every request raises it; `refuse`: a prompt containing this text is
-        refused (ValueError) as the engine refuses input it cannot serve."""
+        """`fail`: every request raises it (at its `fail_at_step`th token, 0: before it is
+        taken); `refuse`: a prompt containing this text is refused (ValueError) as the engine
+        refuses input it cannot serve."""
         self.tokenizer = tokenizer
         self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.step_delay_s = step_delay_s
         self.fail = fail
+        self.fail_at_step = fail_at_step
         self.refuse = refuse
         self.calls: list[dict] = []
         self.closed: list[str] = []
@@ -83,7 +86,7 @@ class ScriptedEngine:
         finished = False
         self.num_requests += 1
         try:
-            if self.fail is not None:
+            if self.fail is not None and not self.fail_at_step:
                 raise self.fail
             if self.refuse is not None and self.refuse in self.tokenizer.decode(prompt):
                 raise ValueError(f"prompt contains {self.refuse!r}")
@@ -97,6 +100,8 @@ class ScriptedEngine:
                 prompt_logprobs = self.prompt_logprobs(prompt, sampling_params.prompt_logprobs)
             for step in range(1, n_tokens + 1):
                 await asyncio.sleep(self.step_delay_s)
+                if step == self.fail_at_step:
+                    raise self.fail
                 self.num_token_steps += 1
                 finished = step == n_tokens
                 outputs = [
@@ -917,6 +922,18 @@ def test_dead_engine_is_a_503(tokenizer):
     with pytest.raises(APIError) as info:
         asyncio.run(serving.create_chat_completion(_chat(max_tokens=2)))
     assert info.value.status_code == 503
+
+
+def test_a_request_the_engine_fails_alone_is_a_500_before_or_within_its_stream(tokenizer):
+    error = RequestFailedError("request x failed: RuntimeError: mask broke")
+    serving, _ = _serving(tokenizer, fail=error, fail_at_step=2)
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.create_chat_completion(_chat(max_tokens=4)))
+    assert info.value.status_code == 500 and "mask broke" in info.value.message
+    events = _stream(serving.create_completion, _completion(max_tokens=4, stream=True))
+    assert events[-1] == "[DONE]" and "mask broke" in events[-2]["error"]["message"]
+    assert events[-2]["error"]["type"] == "InternalServerError"
+    assert events[0]["choices"][0]["text"] == " one"  # the token before it came through
 
 
 def test_a_stream_starts_when_the_engine_takes_the_request(tokenizer):

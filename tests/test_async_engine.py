@@ -191,6 +191,9 @@ class _FailingEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def take_failed(self) -> list:
+        return []
+
     def step(self) -> list[RequestOutput]:
         self.steps += 1
         if self.steps == 3:

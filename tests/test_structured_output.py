@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import threading
@@ -13,6 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams, StructuredOutput
 from engine.async_engine import AsyncEngine
+from engine.outputs import RequestFailedError
 from engine.sampler import build_sampling_batch, sample
 from engine.sampling_params import StructuredOutputError
 
@@ -349,3 +351,66 @@ def test_a_schema_compiling_holds_up_no_other_request(llm, monkeypatch):
         engine.shutdown()
     assert set(json.loads(shaped.text)) == {"name", "age"}
     assert not llm.engine.has_unfinished_requests()  # the aborted one never ran
+
+
+def test_a_request_a_step_fails_on_fails_alone_and_the_engine_serves_on(llm, monkeypatch):
+    # A grammar's mask or a sample's detokenizing that raises fails that request only: it is
+    # aborted (KV freed), its caller gets the error, the others finish as they would alone.
+    ids = _chat_ids(llm, "Give me a person as JSON with a name and an age.")
+    person = SamplingParams(
+        temperature=0.0, max_tokens=64, structured_output=StructuredOutput(json.dumps(PERSON))
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    shaped_alone, free_alone = (o.outputs[0] for o in llm.generate([ids, ids], [person, free]))
+    mask_now, process_now = llm.engine.structured.bitmask, llm.engine._process_sample
+    requests = llm.engine.scheduler.requests
+
+    def bitmask(request_id):
+        if request_id == "bad-mask" and requests[request_id].num_output_tokens >= 3:
+            raise RuntimeError("mask broke")
+        return mask_now(request_id)
+
+    def process_sample(sample, logprobs):
+        request = sample.request
+        if request.request_id.startswith("bad-text") and request.num_output_tokens >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "detokenizer broke")
+        process_now(sample, logprobs)
+
+    monkeypatch.setattr(llm.engine.structured, "bitmask", bitmask)
+    monkeypatch.setattr(llm.engine, "_process_sample", process_sample)
+
+    async def outputs(request_id, params):
+        return [out async for out in engine.generate(ids, params, request_id)]
+
+    async def run():
+        names = ["shaped", "bad-mask", "free", "bad-text", "bad-text-n2"]
+        kinds = [person, person, free, free, dataclasses.replace(free, n=2, temperature=1.0)]
+        done = await asyncio.wait_for(
+            asyncio.gather(*(outputs(n, p) for n, p in zip(names, kinds)), return_exceptions=True),
+            60,
+        )
+        return dict(zip(names, done, strict=True))
+
+    engine = AsyncEngine(llm.engine)
+    try:
+        done = asyncio.run(run())
+        assert engine.is_healthy
+    finally:
+        engine.shutdown()
+    for name, cause in (("bad-mask", "mask broke"), ("bad-text", "detokenizer broke")):
+        assert isinstance(done[name], RequestFailedError), done[name]
+        assert name in str(done[name]) and cause in str(done[name])
+    assert isinstance(done["bad-text-n2"], RequestFailedError)
+    assert done["shaped"][-1].outputs[0].token_ids == shaped_alone.token_ids
+    assert done["free"][-1].outputs[0].token_ids == free_alone.token_ids
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats()["kv_cache_usage"] == 0
+
+    # Offline, generate raises it, leaves nothing behind, and the next call works.
+    monkeypatch.setattr(llm, "_ids", iter(["bad-text-offline", "ok-offline"]))
+    with pytest.raises(RequestFailedError, match="detokenizer broke"):
+        llm.generate([ids, ids], free)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats()["kv_cache_usage"] == 0
+    monkeypatch.undo()
+    assert llm.generate([ids], free)[0].outputs[0].token_ids == free_alone.token_ids

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.api.errors import APIError
 from engine.async_engine import EngineDeadError
-from engine.outputs import RequestOutput
+from engine.outputs import RequestFailedError, RequestOutput
 from engine.sampling_params import StructuredOutputError
 
 
@@ -94,6 +94,8 @@ async def next_output(
         ) from None
     except EngineDeadError as e:
         raise APIError(f"the engine is not running: {e}", 503, code="engine_dead") from None
+    except RequestFailedError as e:
+        raise APIError(f"the engine could not finish the request: {e}", 500) from None
     except StructuredOutputError as e:
         # The engine names its own field (structured_output); the client sent `structured`.
         reason = str(e).removeprefix("structured_output: ")
