@@ -261,8 +261,8 @@ class ModelRunner:
             if params.prompt_logprobs is not None:
                 self._wants_prompt_logprobs.add(new.req_id)
             generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            if params.seed is not None:  # seeded before each draw (sampler.token_seed)
+                generator = torch.Generator(device=self.device)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
