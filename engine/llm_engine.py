@@ -226,6 +226,7 @@ class LLMEngine:
         prompt_ids = truncate_prompt(prompt_ids, sampling_params.truncate_prompt_tokens, max_len)
         self._check_prompt(prompt_ids)
         self._check_token_ids(sampling_params)
+        self._check_stop(sampling_params)
         sampling_params = self._with_every_eos(sampling_params)
         if sampling_params.structured_output is None:
             grammar = None
@@ -311,6 +312,12 @@ class LLMEngine:
                     "prompt", f"token id {t} is out of range [0, {self.vocab_size})"
                 )
         prompt_ids[:] = [int(t) for t in prompt_ids]  # numpy's integers, say
+
+    def _check_stop(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise RequestInputError(
+                "stop", "needs the model's tokenizer, and this model has none: use stop_token_ids"
+            )
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """The request's own ids are in the vocabulary (SamplingParams checks them >= 0);

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
+from engine import LLM, SamplingParams
 from engine.bundled import bundled_model_path
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.layers.attention import attention_layers, bind_kv_caches
@@ -108,6 +109,23 @@ def test_safetensors_folder_loads_transformers_weights(hf_tiny, layout):
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits_of(model, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_without_a_tokenizer_refuses_stop_strings_and_stops_on_token_ids(hf_tiny):
+    _, single, _ = hf_tiny
+    assert not list(single.glob("tokenizer*"))
+    llm = LLM(str(single), max_model_len=64, dtype="float32")
+    prompt = [5, 17, 300, 2]
+    with pytest.raises(ValueError, match="stop needs the model's tokenizer"):
+        llm.generate([prompt], SamplingParams(max_tokens=4, stop=["a"]))
+    assert not llm.engine.has_unfinished_requests()
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = llm.generate([prompt], greedy)[0].outputs[0].token_ids
+    assert len(ids) == 6
+    stop_at = ids[2]
+    params = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at])
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.token_ids == ids[: ids.index(stop_at) + 1] and out.finish_reason == "stop"
 
 
 def test_bfloat16_load_keeps_rope_table_float32(hf_tiny):
