@@ -394,7 +394,7 @@ class LLMEngine:
             outputs += self._complete(*self._pending.popleft())
         if self._failed:
             outputs = [o for o in outputs if o.request_id not in self._failed]
-            self.abort_request(list(self._failed))
+            self.abort_request([rid for rid in self._failed if rid in self._parents])
         return outputs
 
     def take_failed(self) -> list[tuple[str, RequestFailedError]]:
