@@ -189,7 +189,8 @@ class _Preamble:
 _UNENFORCED = frozenset(
     {"not", "if", "contains", "dependentRequired", "dependentSchemas", "dependencies"}
 )
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+"""Keywords whose values map names to schemas (a property may be called "not" or "$ref")."""
 _SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
 _SCHEMA_VALUES = frozenset(
     {
@@ -214,7 +215,7 @@ def unenforced_keyword(schema: Any, where: str = "#") -> str | None:
         several = key == "allOf" and isinstance(value, list) and len(value) > 1
         if key in _UNENFORCED or several or (key == "uniqueItems" and value is True):
             return f'"{key}"{" of several schemas" if several else ""} at {at}'
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
+        if key in SCHEMA_MAPS and isinstance(value, dict):
             parts = [(f"{at}/{_pointer_part(name)}", sub) for name, sub in value.items()]
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             parts = [(f"{at}/{i}", sub) for i, sub in enumerate(value)]

@@ -21,17 +21,16 @@ from engine.api.errors import APIError
 from engine.api.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
 from engine.api.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
 from engine.sampling_params import StructuredOutput
-from engine.structured_output import unenforced_keyword
+from engine.structured_output import SCHEMA_MAPS, unenforced_keyword
 
 _NO_ARGUMENTS = {"type": "object", "additionalProperties": False}
 """A function without parameters takes `{}`."""
 
 _DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
 """Keywords whose values are JSON data, where a "$ref" key refers to nothing."""
-_NAMED_SCHEMAS = frozenset(
-    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
-)
-"""Keywords whose values map names to schemas (a property may be called "$ref")."""
+_NAMED_SCHEMAS = SCHEMA_MAPS | {"dependentSchemas", "dependencies"}
+"""Keywords whose values map names to schemas: SCHEMA_MAPS and two that are refused later,
+by name (the grammar cannot enforce them)."""
 
 
 @dataclass(frozen=True)
