@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.config import EngineConfig, UsageContext
 from engine.executor import Executor, PendingOutput, get_executor_class
 from engine.gc_pauses import frozen_heap
@@ -113,6 +115,7 @@ class LLMEngine:
         eos_ids = end_of_sequence_ids(hf_config, tokenizer, self.generation_defaults)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         runner_eos = config_eos_token_id(hf_config)
+        self._runner_eos = runner_eos
         self.more_eos_token_ids = [t for t in eos_ids if t != runner_eos]
         """Ids that end a request as EOS does besides the one the model runner holds back
         for min_tokens (config.json's first): added to a request's stop_token_ids unless it
@@ -121,7 +124,7 @@ class LLMEngine:
         self._parents: dict[str, _ParentRequest] = {}
         self._sample_parent: dict[str, str] = {}
         self._pending: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
-        self._failed: dict[str, RequestFailedError] = {}
+        self._failed: dict[str, Exception] = {}
         """Requests a step failed on their own (parent id -> error), aborted, until
         take_failed() hands them over."""
         """Steps launched whose tokens are not read yet, oldest first."""
@@ -228,10 +231,14 @@ class LLMEngine:
         self._check_token_ids(sampling_params)
         self._check_stop(sampling_params)
         sampling_params = self._with_every_eos(sampling_params)
+        sampling_params = self._with_grammar_end_allowed(sampling_params)
+        self._check_min_tokens_leave_a_token(sampling_params)
         if sampling_params.structured_output is None:
             grammar = None
-        elif grammar is None:
-            grammar = self.structured.grammar(sampling_params.structured_output)
+        else:
+            if grammar is None:
+                grammar = self.structured.grammar(sampling_params.structured_output)
+            self._check_grammar_meets_allowed_ids(sampling_params, grammar)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         parent = _ParentRequest(
             request_id,
@@ -313,6 +320,40 @@ class LLMEngine:
                 )
         prompt_ids[:] = [int(t) for t in prompt_ids]  # numpy's integers, say
 
+    def _with_grammar_end_allowed(self, params: SamplingParams) -> SamplingParams:
+        """A structured output ends with EOS once its value is complete (the grammar allows
+        nothing else then): allowed_token_ids take it too, or the request could not end."""
+        allowed, eos = params.allowed_token_ids, self.eos_token_id
+        if params.structured_output is None or allowed is None or eos is None or eos in allowed:
+            return params
+        return dataclasses.replace(params, allowed_token_ids=[*allowed, eos])
+
+    def _check_min_tokens_leave_a_token(self, params: SamplingParams) -> None:
+        """Below min_tokens, the ids that end a request are held back: allowed_token_ids
+        made of those alone would leave nothing to sample."""
+        if not params.min_tokens or params.allowed_token_ids is None:
+            return
+        ending = set(params.stop_token_ids)
+        if self._runner_eos is not None and not params.ignore_eos:
+            ending.add(self._runner_eos)
+        if ending.issuperset(params.allowed_token_ids):
+            raise RequestInputError(
+                "allowed_token_ids",
+                f"hold only ids that end the request, which min_tokens={params.min_tokens} "
+                "holds back: nothing could be sampled",
+            )
+
+    def _check_grammar_meets_allowed_ids(self, params: SamplingParams, grammar: Any) -> None:
+        starts_later = params.structured_output.starts_after_token_ids is not None
+        allowed = params.allowed_bitmask(self.vocab_size)
+        if allowed is None or starts_later:
+            return  # a later start is checked at each step (step())
+        if not np.bitwise_and(self.structured.first_mask(grammar), allowed).any():
+            raise RequestInputError(
+                "allowed_token_ids",
+                "allow none of the tokens the structured output may start with",
+            )
+
     def _check_stop(self, params: SamplingParams) -> None:
         if params.stop and self.tokenizer is None:
             raise RequestInputError(
@@ -376,9 +417,18 @@ class LLMEngine:
             for rid in scheduler_output.num_scheduled_tokens:
                 if self.structured.constrains(rid) and requests[rid].num_output_placeholders:
                     try:
-                        masks[rid] = self.structured.bitmask(rid)
+                        masks[rid] = mask = self.structured.bitmask(rid)
                     except Exception as e:  # it samples unconstrained, then is aborted
                         self._fail(rid, e)
+                        continue
+                    request = requests[rid]
+                    allowed = request.sampling_params.allowed_bitmask(self.vocab_size)
+                    if allowed is not None and not np.bitwise_and(mask, allowed).any():
+                        problem = (
+                            "allow none of the tokens the structured output allows after "
+                            f"{request.num_output_tokens} output tokens"
+                        )
+                        self._fail(rid, RequestInputError("allowed_token_ids", problem))
         if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
             # Every runnable request waits for a step in flight: read that one, then schedule
             # again (this step's finished ids go to the workers with the next step).
@@ -397,18 +447,23 @@ class LLMEngine:
             self.abort_request([rid for rid in self._failed if rid in self._parents])
         return outputs
 
-    def take_failed(self) -> list[tuple[str, RequestFailedError]]:
+    def take_failed(self) -> list[tuple[str, Exception]]:
         """The requests steps failed on their own since the last call (already aborted):
         their callers hear the error here, as no output of theirs will come."""
         failed, self._failed = list(self._failed.items()), {}
         return failed
 
     def _fail(self, sample_id: str, error: Exception) -> None:
+        """Fail the sample's request at the end of this step: with `error` itself where it is
+        the request's input's fault (RequestInputError), else with a RequestFailedError."""
         parent_id = self._sample_parent.get(sample_id)
-        if parent_id is not None and parent_id not in self._failed:
-            self._failed[parent_id] = RequestFailedError(
+        if parent_id is None or parent_id in self._failed:
+            return
+        if not isinstance(error, RequestInputError):
+            error = RequestFailedError(
                 f"request {parent_id} failed: {type(error).__name__}: {error}"
             )
+        self._failed[parent_id] = error
 
     def _max_pending(self) -> int:
         """Steps that may stay in flight when step() returns."""

@@ -62,7 +62,6 @@ class StructuredOutputs:
     def grammar(self, spec: StructuredOutput) -> Any:
         """The compiled grammar for `spec`; StructuredOutputError (a ValueError) for one that
         cannot be followed, or whose output could not follow it (see above)."""
-        import xgrammar as xgr
 
         if spec.json_schema is not None:
             try:
@@ -72,11 +71,17 @@ class StructuredOutputs:
             if unenforced is not None:
                 raise _cannot_follow(spec, f"{unenforced}: its grammar would not enforce it")
         grammar = self._compile(spec)
-        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
-        if not mask.any():
+        if not self.first_mask(grammar).any():
             raise _cannot_follow(spec, "it accepts no output at all")
         return grammar
+
+    def first_mask(self, grammar: Any) -> np.ndarray:
+        """The tokens `grammar` lets an output start with, as `bitmask` words."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
+        return mask[0].numpy()
 
     def _compile(self, spec: StructuredOutput) -> Any:
         import xgrammar as xgr
@@ -215,6 +220,8 @@ def unenforced_keyword(schema: Any, where: str = "#") -> str | None:
         several = key == "allOf" and isinstance(value, list) and len(value) > 1
         if key in _UNENFORCED or several or (key == "uniqueItems" and value is True):
             return f'"{key}"{" of several schemas" if several else ""} at {at}'
+        if key in ("anyOf", "oneOf", "allOf") and value == []:
+            return f'"{key}" of no schemas at {at}'  # nothing matches; xgrammar takes ""
         if key in SCHEMA_MAPS and isinstance(value, dict):
             parts = [(f"{at}/{_pointer_part(name)}", sub) for name, sub in value.items()]
         elif key in _SCHEMA_LISTS and isinstance(value, list):

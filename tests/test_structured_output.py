@@ -247,6 +247,9 @@ def test_a_schema_that_cannot_be_followed_is_refused_and_the_engine_goes_on(llm)
          '"contains" at #/items/anyOf/0/contains'),
         ({"$defs": {"a/b": {"dependentRequired": {"x": ["y"]}}}, "$ref": "#/$defs/a~1b"},
          '"dependentRequired" at #/$defs/a~1b/dependentRequired'),
+        # Nothing matches an empty anyOf; xgrammar's grammar for it takes "".
+        ({"type": "object", "properties": {"a": {"anyOf": []}}},
+         '"anyOf" of no schemas at #/properties/a/anyOf'),
     ],
 )  # fmt: skip
 def test_a_schema_asking_what_the_grammar_would_ignore_is_refused_naming_where(llm, schema, where):
@@ -297,6 +300,48 @@ def test_a_finished_grammar_allows_only_the_end_token_where_asked_again(llm):
 
 def _allowed(words: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+
+
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused_naming_them(llm):
+    # Token 0 used to come out, outside allowed_token_ids and the grammar.
+    eos = llm.engine.eos_token_id
+    tok = llm.engine.tokenizer
+    zebra = tok.encode("zebra", add_special_tokens=False)
+    assert len(zebra) > 1
+    refused = [
+        SamplingParams(min_tokens=2, allowed_token_ids=[eos]),  # held back below min_tokens
+        SamplingParams(min_tokens=2, allowed_token_ids=[7], stop_token_ids=[7]),
+        SamplingParams(
+            allowed_token_ids=[5, 6], structured_output=StructuredOutput(choice=["zebra"])
+        ),
+        SamplingParams(allowed_token_ids=[eos], structured_output=StructuredOutput()),
+    ]
+    for params in refused:
+        with pytest.raises(ValueError, match="^allowed_token_ids ") as info:
+            llm.engine.add_request("nothing", [1, 2, 3], params)
+        assert "nothing could be sampled" in str(info.value) or "start with" in str(info.value)
+    assert not llm.engine.has_unfinished_requests()
+    # min_tokens holds back EOS only while it ends the request.
+    ids = [1, 2, 3]
+    kept = SamplingParams(min_tokens=2, max_tokens=2, ignore_eos=True, allowed_token_ids=[eos])
+    assert llm.generate([ids], kept)[0].outputs[0].token_ids == [eos, eos]
+
+    # The grammar's first token is allowed, the next it needs is not: the request fails
+    # at that step with the same error, and nothing is left behind.
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=8,
+        allowed_token_ids=[zebra[0]],
+        structured_output=StructuredOutput(choice=["zebra"]),
+    )
+    with pytest.raises(ValueError, match="^allowed_token_ids .* after 1 output tokens"):
+        llm.generate([ids], params)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats()["kv_cache_usage"] == 0
+    # The end of a complete value needs no place in allowed_token_ids.
+    params = dataclasses.replace(params, allowed_token_ids=zebra)
+    out = llm.generate([ids], params)[0].outputs[0]
+    assert out.text == "zebra" and out.finish_reason == "stop"
 
 
 def test_a_grammar_that_accepts_no_output_is_refused(llm):
