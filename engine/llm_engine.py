@@ -124,10 +124,10 @@ class LLMEngine:
         self._parents: dict[str, _ParentRequest] = {}
         self._sample_parent: dict[str, str] = {}
         self._pending: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        """Steps launched whose tokens are not read yet, oldest first."""
         self._failed: dict[str, Exception] = {}
         """Requests a step failed on their own (parent id -> error), aborted, until
         take_failed() hands them over."""
-        """Steps launched whose tokens are not read yet, oldest first."""
         self.metrics: EngineMetrics | None = None
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_id)
         if config.device == "cuda":

@@ -62,7 +62,6 @@ class StructuredOutputs:
     def grammar(self, spec: StructuredOutput) -> Any:
         """The compiled grammar for `spec`; StructuredOutputError (a ValueError) for one that
         cannot be followed, or whose output could not follow it (see above)."""
-
         if spec.json_schema is not None:
             try:
                 unenforced = unenforced_keyword(json.loads(spec.json_schema))
