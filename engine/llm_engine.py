@@ -27,6 +27,7 @@ from engine.loader import ModelSource, load_hf_config, resolve_model_source, ser
 from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
+from engine.sampler import held_back_below_min_tokens
 from engine.sampling_params import (
     RequestInputError,
     RequestOutputKind,
@@ -333,10 +334,8 @@ class LLMEngine:
         made of those alone would leave nothing to sample."""
         if not params.min_tokens or params.allowed_token_ids is None:
             return
-        ending = set(params.stop_token_ids)
-        if self._runner_eos is not None and not params.ignore_eos:
-            ending.add(self._runner_eos)
-        if ending.issuperset(params.allowed_token_ids):
+        held_back = held_back_below_min_tokens(params, self._runner_eos)
+        if set(held_back).issuperset(params.allowed_token_ids):
             raise RequestInputError(
                 "allowed_token_ids",
                 f"hold only ids that end the request, which min_tokens={params.min_tokens} "
@@ -476,9 +475,7 @@ class LLMEngine:
         touched: dict[str, _ParentRequest] = {}
         for request in updated:
             parent_id = self._sample_parent.get(request.request_id)
-            if parent_id is None:
-                continue
-            if parent_id in self._failed:
+            if parent_id is None or parent_id in self._failed:
                 continue
             parent = self._parents[parent_id]
             sample = parent.samples[_sample_index(request.request_id, parent)]

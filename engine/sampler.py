@@ -163,11 +163,7 @@ def build_sampling_batch(
     for i, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True)):
         if num_out >= p.min_tokens:
             continue
-        blocked = list(p.stop_token_ids)
-        # With ignore_eos, EOS does not end the request, so there is nothing to hold back.
-        if eos_token_id is not None and not p.ignore_eos:
-            blocked.append(eos_token_id)
-        for t in blocked:
+        for t in held_back_below_min_tokens(p, eos_token_id):
             if t < vocab_size:
                 rows.append(i)
                 cols.append(t)
@@ -317,6 +313,15 @@ def _one_pass_eligible(logits: torch.Tensor, batch: SamplingBatch) -> bool:
         and batch.min_p is None
         and not batch.generators
     )
+
+
+def held_back_below_min_tokens(params: SamplingParams, eos_token_id: int | None) -> list[int]:
+    """The ids a request may not sample before min_tokens: those that would end it."""
+    held = list(params.stop_token_ids)
+    # With ignore_eos, EOS does not end the request, so there is nothing to hold back.
+    if eos_token_id is not None and not params.ignore_eos:
+        held.append(eos_token_id)
+    return held
 
 
 def apply_penalties(
