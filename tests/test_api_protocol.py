@@ -192,8 +192,14 @@ def test_api_error_survives_pickling_with_its_status():
     assert (back.status_code, back.code, back.headers()) == (
         429,
         "rate_limit_exceeded",
-        {"Retry-After": "2"},
+        {"Retry-After": "3"},
     )
+
+
+def test_retry_after_rounds_up_so_a_client_waiting_that_long_is_not_refused_again():
+    assert APIError("wait", 429, retry_after_s=40.4).headers() == {"Retry-After": "41"}
+    assert APIError("wait", 429, retry_after_s=40.0).headers() == {"Retry-After": "40"}
+    assert APIError("wait", 429, retry_after_s=0.0).headers() == {"Retry-After": "1"}
 
 
 def test_prompt_logprobs_appear_in_a_choices_json_only_when_given():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,7 +60,8 @@ class APIError(Exception):
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
             return {}
-        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        # Rounded up: a client that waits exactly this long must find room.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 def quoted_names(names: Iterable[str]) -> str:
