@@ -14,9 +14,9 @@ engine: tokenization and chat templates run next to it (they need its tokenizer 
 max_model_len), and it streams ready-made SSE text back.
 
 What travels from server to ingress, per request: the first item is an `APIError`, a
-response body (dict) or "" (a stream has started: the engine took the request); a stream
-then continues with SSE text and ends with its `UsageInfo` (for per-tenant token
-accounting, never sent to the client).
+response body (dict) or the prompt tokens (an int: a stream has started, the engine took
+the request); a stream then continues with SSE text and ends with its `UsageInfo` (for
+per-tenant token accounting, never sent to the client).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the signatures of the route
@@ -135,7 +135,7 @@ class EngineHost:
             yield result.model_dump(mode="json")
             return
         events = result.events
-        yield ""
+        yield result.prompt_tokens
         try:
             async for text in events:
                 yield text
@@ -334,10 +334,12 @@ class OpenAIIngress:
             # Gone while its body was read: nothing was started, no one to answer.
             self.tenant_metrics.request_done(model_name, tenant_name, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        except Exception as e:
-            self.tenant_metrics.request_done(
-                model_name, tenant_name, CLIENT_GONE if isinstance(e, TaskCancelledError) else 500
-            )
+        except BaseException as e:
+            # The server failed, or the client went away (Serve cancels the request's task):
+            # the tenant's slot comes back all the same.
+            self._release(lease, 0)
+            gone = isinstance(e, (TaskCancelledError, asyncio.CancelledError))
+            self.tenant_metrics.request_done(model_name, tenant_name, CLIENT_GONE if gone else 500)
             raise
         self.tenant_metrics.request_done(model_name, tenant_name, response.status_code)
         return response
@@ -434,35 +436,61 @@ class OpenAIIngress:
         if isinstance(first, dict):
             _cancel(replies)
             usage = first.get("usage", {})
-            self._release(lease, usage.get("total_tokens", 0))
-            self.tenant_metrics.tokens(
-                model, tenant, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+            self._charge(
+                lease,
+                model,
+                tenant,
+                usage.get("prompt_tokens", 0),
+                usage.get("completion_tokens", 0),
             )
             return JSONResponse(first)
+        stream = _ServerStream(replies, prompt_tokens=first)
+        # From here the response owns the slot: it gives it back when the stream ends,
+        # however it ends (also when the client leaves before the first byte is sent).
         return ClosingStreamingResponse(
-            self._stream(first, replies, lease, model, tenant), media_type="text/event-stream"
+            stream.events(),
+            media_type="text/event-stream",
+            on_close=lambda: self._charge(lease, model, tenant, *stream.close()),
         )
 
-    async def _stream(self, first: str, replies: Any, lease: str | None, model: str, tenant: str):
-        usage = None
-        done = False
-        try:
-            if first:
-                yield first
-            async for item in replies:
-                if isinstance(item, UsageInfo):
-                    usage = item
-                else:
-                    yield item
-            done = True
-        finally:
-            if not done:
-                _cancel(replies)
-            self._release(lease, usage.total_tokens if usage is not None else 0)
-            if usage is not None:
-                self.tenant_metrics.tokens(
-                    model, tenant, usage.prompt_tokens, usage.completion_tokens
-                )
+    def _charge(
+        self, lease: str | None, model: str, tenant: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """A request has ended: charge its tokens to its tenant and give back its slot."""
+        self._release(lease, prompt_tokens + completion_tokens)
+        self.tenant_metrics.tokens(model, tenant, prompt_tokens, completion_tokens)
+
+
+class _ServerStream:
+    """A server's stream of SSE text, which ends with its `UsageInfo`. Cut short, it still
+    knows its prompt tokens (the server's first item) and counts each chunk it passed on as
+    one generated token (a chunk holds one or more), so a tenant is charged for a stream
+    its client left."""
+
+    def __init__(self, replies: Any, prompt_tokens: int) -> None:
+        self.replies = replies
+        self.prompt_tokens = prompt_tokens
+        self.chunks = 0
+        self.usage: UsageInfo | None = None
+        self.closed = False
+
+    async def events(self):
+        async for item in self.replies:
+            if isinstance(item, UsageInfo):
+                self.usage = item
+            else:
+                self.chunks += 1
+                yield item
+
+    def close(self) -> tuple[int, int]:
+        """Abort the server's call unless it ended; (prompt, completion) tokens, once."""
+        if self.closed:
+            return 0, 0
+        self.closed = True
+        if self.usage is None:
+            _cancel(self.replies)
+            return self.prompt_tokens, self.chunks
+        return self.usage.prompt_tokens, self.usage.completion_tokens
 
 
 def build_openai_app(config: AppConfig) -> Any:
@@ -472,10 +500,9 @@ def build_openai_app(config: AppConfig) -> Any:
     config = config.with_resolved_device()
     limiter = None
     if config.has_tenant_limits:
-        ttl = None if config.request_timeout_s is None else config.request_timeout_s + 60
         limiter = TenantLimiterDeployment.options(
             ray_actor_options={"num_cpus": 0, "runtime_env": _replica_env()}
-        ).bind(config.tenants, ttl)
+        ).bind(config.tenants, config.request_timeout_s)
     if config.colocate_ingress:
         (model,) = config.model_configs()  # app_config refuses colocation of several
         options = llm_server_options(model)

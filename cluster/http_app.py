@@ -71,11 +71,22 @@ class ClosingStreamingResponse(StreamingResponse):
     for the garbage collector: close it here.
     """
 
+    def __init__(self, content: Any, *, on_close: Callable[[], None] | None = None, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+        """Runs once the response has ended, however it ended: a generator cancelled
+        before its first item (the client left while the headers went out) never reaches
+        its own `finally`."""
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await self.stream_response(send)
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
 
 
 def build_fastapi_app(routes: dict[tuple[str, str], Callable[..., Any]]) -> FastAPI:

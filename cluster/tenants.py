@@ -18,6 +18,7 @@ from engine.api.errors import APIError
 DEFAULT_TENANT = "default"
 TENANT_HEADER = "x-tenant-id"
 WINDOW_S = 60.0
+LEASE_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,14 @@ class TenantLimiter:
     def __init__(
         self,
         tenants: Mapping[str, TenantConfig],
-        lease_ttl_s: float | None = None,
+        request_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`request_timeout_s`: the app's; a tenant's own request_timeout_s overrides it.
+        A lease outlives its tenant's time limit by a minute at most (an ingress that died
+        before releasing it); without a time limit leases never expire."""
         self.tenants = dict(tenants)
-        self.lease_ttl_s = lease_ttl_s
-        """Leases older than this are dropped (an ingress died before releasing them)."""
+        self.request_timeout_s = request_timeout_s
         self.clock = clock
         self._states: dict[str, _TenantState] = {}
         self._ids = itertools.count()
@@ -127,11 +130,17 @@ class TenantLimiter:
             state = self._states[tenant] = _TenantState()
         while state.usage and state.usage[0][0] <= now - WINDOW_S:
             state.tokens_in_window -= state.usage.popleft()[1]
-        if self.lease_ttl_s is not None:
-            expired = [i for i, t in state.leases.items() if t <= now - self.lease_ttl_s]
+        ttl = self._lease_ttl_s(tenant)
+        if ttl is not None:
+            expired = [i for i, t in state.leases.items() if t <= now - ttl]
             for lease_id in expired:
                 del state.leases[lease_id]
         return state
+
+    def _lease_ttl_s(self, tenant: str) -> float | None:
+        config = self.tenants.get(tenant)
+        timeout = (config and config.request_timeout_s) or self.request_timeout_s
+        return None if timeout is None else timeout + LEASE_GRACE_S
 
     @staticmethod
     def _seconds_until_under(state: _TenantState, tpm: int, now: float) -> float:

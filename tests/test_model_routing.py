@@ -36,7 +36,7 @@ class _FakeHost:
             yield APIError(f"The model `{request.model}` does not exist", 404)
             return
         if getattr(request, "stream", False):
-            yield ""
+            yield 1  # the prompt tokens: the stream has started
             yield f"data: {json.dumps({'model': self.name})}\n\n"
             yield "data: [DONE]\n\n"
             yield UsageInfo(prompt_tokens=1, completion_tokens=1, total_tokens=2)

@@ -231,7 +231,7 @@ class _Clock:
 def test_limiter_concurrency_and_lease_expiry():
     clock = _Clock()
     limiter = TenantLimiter(
-        {"a": TenantConfig(max_concurrent_requests=2)}, lease_ttl_s=30, clock=clock
+        {"a": TenantConfig(max_concurrent_requests=2)}, request_timeout_s=30, clock=clock
     )
     first, second = limiter.acquire("a"), limiter.acquire("a")
     refused = limiter.acquire("a")
@@ -240,8 +240,21 @@ def test_limiter_concurrency_and_lease_expiry():
     assert limiter.acquire("other").lease_id is not None  # no limits for unlisted tenants
     limiter.release(first.lease_id)
     assert limiter.acquire("a").lease_id is not None
-    clock.now += 31  # an ingress that died without releasing loses its leases
+    clock.now += 89  # still within the time limit's minute of grace
+    assert limiter.acquire("a").lease_id is None
+    clock.now += 2  # an ingress that died without releasing loses its leases
     assert limiter.acquire("a").lease_id is not None
+
+
+def test_a_lease_lives_as_long_as_its_tenants_own_time_limit():
+    clock = _Clock()
+    tenants = {"slow": TenantConfig(max_concurrent_requests=1, request_timeout_s=3600)}
+    limiter = TenantLimiter(tenants, request_timeout_s=10, clock=clock)
+    assert limiter.acquire("slow").lease_id is not None
+    clock.now += 600  # the app's limit and its grace are long past; the tenant's is not
+    assert limiter.acquire("slow").lease_id is None
+    clock.now += 3600
+    assert limiter.acquire("slow").lease_id is not None
 
 
 def test_limiter_tokens_per_minute_window():

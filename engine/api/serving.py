@@ -90,6 +90,7 @@ class RequestContext:
 @dataclass
 class SSEStream:
     events: AsyncIterator[str] = field(init=False)
+    prompt_tokens: int = 0
     usage: UsageInfo = field(default_factory=UsageInfo)
     """Filled in when the stream ends (for per-tenant token accounting)."""
 
@@ -513,7 +514,7 @@ class OpenAIServing:
             )
         else:
             tracker = CompletionDeltaTracker(fmt=fmt, **common)
-        result = SSEStream()
+        result = SSEStream(prompt_tokens=sum(prompt_lens))
 
         async def events() -> AsyncIterator[str]:
             latest: dict[int, RequestOutput] = {}
