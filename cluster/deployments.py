@@ -47,7 +47,7 @@ from cluster.http_app import (
 from cluster.local_server import LocalServer, colocated_capacity
 from cluster.metrics import RayMetricsSink, ReplicaReadiness, TenantMetrics
 from cluster.model_router import ModelRouter
-from cluster.tenants import TenantLimiter, TenantResolver
+from cluster.tenants import DEFAULT_TENANT, TenantLimiter, TenantResolver
 from cluster.topology import SERVE_FAST_PATH_ENV
 from engine.api.errors import APIError, validation_error
 from engine.api.protocol import (
@@ -222,7 +222,9 @@ class OpenAIIngress:
         self.config = config
         self.limiter = limiter
         self.resolver = TenantResolver(config.api_keys, config.tenants)
-        self.tenant_metrics = TenantMetrics(RayMetricsSink())
+        # With API keys the tenants are the keys' (a bounded set); without, any header value.
+        named = None if config.api_keys else {*config.tenants, DEFAULT_TENANT}
+        self.tenant_metrics = TenantMetrics(RayMetricsSink(), named)
 
     def __serve_build_asgi_app__(self) -> HotRoutes:
         """The replica's HTTP app (Serve calls this once __init__ has returned)."""

@@ -223,3 +223,30 @@ def test_a_request_that_ends_is_charged_its_usage(stream):
 
     asyncio.run(go())
 
+
+class _Recording:
+    def __init__(self) -> None:
+        self.labels: list[dict] = []
+
+    def inc(self, name: str, value: float, labels: dict) -> None:
+        self.labels.append(labels)
+
+
+def test_only_configured_tenants_name_a_metric_series_when_the_header_names_the_tenant(
+    monkeypatch,
+):
+    sink = _Recording()
+    monkeypatch.setattr(deployments, "RayMetricsSink", lambda: sink)
+
+    async def go():
+        app, _, _ = await _app(_Host(), {"max_concurrent_requests": 4})
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvray") as client:
+            for tenant in ["a", *(f"client-{i}" for i in range(20)), ""]:
+                response = await client.post(
+                    "/v1/completions", json={"prompt": "x"}, headers={"X-Tenant-Id": tenant}
+                )
+                assert response.status_code == 200
+
+    asyncio.run(go())
+    assert {labels["tenant"] for labels in sink.labels} == {"a", "other", "default"}
