@@ -34,7 +34,6 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    check_served_names,
 )
 from engine.loader import served_names
 from engine.tokenizer import ChatInputError, check_template_kwargs, load_chat_template
@@ -178,10 +177,13 @@ def _json_text(value: Any) -> Any:
     return value
 
 
+# ModelConfig comes first: its max_model_len default (None = the model's own) wins.
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+
+
 def _engine_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    # ModelConfig comes first: its max_model_len default (None = the model's own) wins.
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+    for cls in ENGINE_CONFIGS:
         for name, info in cls.model_fields.items():
             fields.setdefault(name, (info.annotation, info))
     # None: the engine picks from the GPU (vLLM's defaults: 1024 on a 70 GiB+ card).
@@ -213,6 +215,16 @@ def _engine_fields() -> dict[str, Any]:
     return fields
 
 
+def _engine_validators() -> dict[str, Any]:
+    """The engine configs' field validators, so that a value the engine would refuse (a
+    generation_config folder without the file, ...) is refused at start, naming its key."""
+    return {
+        f"_{cls.__name__}{name}": field_validator(*d.info.fields, mode=d.info.mode)(d.func)
+        for cls in ENGINE_CONFIGS
+        for name, d in cls.__pydantic_decorators__.field_validators.items()
+    }
+
+
 ENGINE_KEYS = frozenset(_engine_fields())
 
 # The keys of one model's LLMServer deployment. Every other ServeOptions key is app-wide:
@@ -241,7 +253,12 @@ PER_MODEL_SERVE_KEYS = frozenset(
 )
 PER_MODEL_KEYS = ENGINE_KEYS | PER_MODEL_SERVE_KEYS
 
-_AppConfigBase = create_model("_AppConfigBase", __base__=ServeOptions, **_engine_fields())
+_AppConfigBase = create_model(
+    "_AppConfigBase",
+    __base__=ServeOptions,
+    __validators__=_engine_validators(),
+    **_engine_fields(),
+)
 
 
 class AppConfig(_AppConfigBase):
@@ -271,11 +288,6 @@ class AppConfig(_AppConfigBase):
     def _served_names_json(cls, value: Any) -> Any:
         # Several names arrive from `serve run ... served_model_name='["a", "b"]'` as text.
         return _json_text(value) if isinstance(value, str) and value.startswith("[") else value
-
-    @field_validator("served_model_name")
-    @classmethod
-    def _check_served_names(cls, value: str | list[str] | None) -> str | list[str] | None:
-        return check_served_names(value)
 
     @model_validator(mode="after")
     def _check_models(self) -> AppConfig:

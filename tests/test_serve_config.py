@@ -20,6 +20,7 @@ from engine.api.errors import APIError
 from engine.config import (
     RUNNER_ARGS,
     CacheConfig,
+    EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -56,6 +57,9 @@ ROOT = Path(__file__).resolve().parents[1]
         ({"served_model_name": []}, "served_model_name: .*at least one name"),
         ({"served_model_name": '["a", "a"]'}, "served_model_name: .*names one model twice"),
         ({"served_model_name": ["a", ""]}, "served_model_name: .*must not be empty"),
+        ({"generation_config": "VLLM"}, "generation_config: .*'VLLM' has no"),
+        ({"generation_config": ""}, "generation_config: .*'' has no"),
+        ({"generation_config": "/no/such/dir"}, "generation_config: .*'/no/such/dir' has no"),
     ],
 )
 def test_a_bad_key_or_value_fails_at_build_naming_it(args, named):
@@ -75,6 +79,23 @@ def test_every_engine_argument_is_an_app_key():
         "enable_prefix_caching": False,
         "policy": "priority",
     }
+
+
+def test_every_engine_validator_runs_at_start():
+    """A check the engine configs make on a key is made by AppConfig too, so that a bad value
+    fails at start naming the key, not later in a replica."""
+    app_validators = {
+        (d.func.__func__, d.info.fields, d.info.mode)
+        for d in AppConfig.__pydantic_decorators__.field_validators.values()
+    }
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+        assert not cls.__pydantic_decorators__.model_validators, cls
+        for d in cls.__pydantic_decorators__.field_validators.values():
+            assert (d.func.__func__, d.info.fields, d.info.mode) in app_validators, d.cls_var_name
+    # EngineConfig's own keys (device, enforce_eager, ...) are checked by their types alone.
+    for d in EngineConfig.__pydantic_decorators__.field_validators.values():
+        assert not set(d.info.fields) & set(RUNNER_ARGS), d.cls_var_name
+    assert load_app_config({"generation_config": "vllm"}).generation_config == "vllm"
 
 
 def test_serve_config_yaml_args_validate():
