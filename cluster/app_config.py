@@ -38,9 +38,17 @@ from engine.config import (
 from engine.loader import served_names
 from engine.tokenizer import ChatInputError, check_template_kwargs, load_chat_template
 
+SERVE_INT_MAX = 2**31 - 1
+"""Serve holds replica counts and request bounds as 32-bit ints: past this serve.run fails
+with a message that names no key."""
+
+REPLICA_REQUESTS_MAX = 2**30
+"""The most requests one LLMServer replica may hold, running and queued; below
+SERVE_INT_MAX so that a colocated replica's Serve bound, a little above it, fits too."""
+
 
 class TenantConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     max_concurrent_requests: int | None = Field(default=None, gt=0)
     """Requests of this tenant in flight at once; more get 429."""
@@ -62,19 +70,22 @@ class ServeOptions(BaseModel):
     """Keys of the Serve app itself (replicas, queues, safety, tenants)."""
 
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, protected_namespaces=()
+        extra="forbid",
+        use_attribute_docstrings=True,
+        protected_namespaces=(),
+        allow_inf_nan=False,
     )
 
-    min_replicas: int = Field(default=1, ge=0)
+    min_replicas: int = Field(default=1, ge=0, le=SERVE_INT_MAX)
     """Fewest LLMServer replicas (each holds one copy of the model)."""
-    max_replicas: int = Field(default=1, gt=0)
-    initial_replicas: int | None = Field(default=None, ge=0)
+    max_replicas: int = Field(default=1, gt=0, le=SERVE_INT_MAX)
+    initial_replicas: int | None = Field(default=None, ge=0, le=SERVE_INT_MAX)
     target_ongoing_requests: float | None = Field(default=None, gt=0)
     """Requests per replica the autoscaler aims at; default: half of max_ongoing_requests."""
-    max_ongoing_requests: int | None = Field(default=None, gt=0)
+    max_ongoing_requests: int | None = Field(default=None, gt=0, le=SERVE_INT_MAX)
     """Requests one replica takes at once; default: max_num_seqs if given, else 1024 with
     GPUs (the engine's default on a 70 GiB+ card) and 256 without."""
-    max_queued_requests: int | None = Field(default=None, ge=0)
+    max_queued_requests: int | None = Field(default=None, ge=0, le=SERVE_INT_MAX)
     """Requests waiting for a replica; more get 429. Default: 4 x max_ongoing_requests."""
     upscale_delay_s: float = Field(default=30.0, ge=0)
     downscale_delay_s: float = Field(default=600.0, ge=0)
@@ -83,10 +94,10 @@ class ServeOptions(BaseModel):
     """How often replicas report load to the autoscaler (Ray's default: 10 s)."""
     num_cpus: float | None = Field(default=None, gt=0)
     """CPUs per placement-group bundle (one bundle per rank); default 1 with GPUs, 0.25 without."""
-    ingress_min_replicas: int = Field(default=1, gt=0)
-    ingress_max_replicas: int = Field(default=2, gt=0)
+    ingress_min_replicas: int = Field(default=1, gt=0, le=SERVE_INT_MAX)
+    ingress_max_replicas: int = Field(default=2, gt=0, le=SERVE_INT_MAX)
     ingress_target_ongoing_requests: float = Field(default=256, gt=0)
-    ingress_max_ongoing_requests: int = Field(default=8192, gt=0)
+    ingress_max_ongoing_requests: int = Field(default=8192, gt=0, le=SERVE_INT_MAX)
     ingress_num_cpus: float = Field(default=0.25, ge=0)
     colocate_ingress: bool = False
     """Serve HTTP from the engine replicas themselves (one deployment, `OpenAIIngress`
@@ -288,6 +299,27 @@ class AppConfig(_AppConfigBase):
     def _served_names_json(cls, value: Any) -> Any:
         # Several names arrive from `serve run ... served_model_name='["a", "b"]'` as text.
         return _json_text(value) if isinstance(value, str) and value.startswith("[") else value
+
+    @model_validator(mode="after")
+    def _check_replica_requests(self) -> AppConfig:
+        if self.models is not None:
+            return self  # each entry is checked on its own
+        ongoing = self.resolved_max_ongoing_requests()
+        key = "max_ongoing_requests" if self.max_ongoing_requests is not None else "max_num_seqs"
+        queued = self.max_queued_requests
+        if queued is None:
+            held = 5 * ongoing
+            what = f"{key} ({ongoing}) with the default max_queued_requests (4 x {key})"
+        else:
+            held = ongoing + queued
+            what = f"{key} ({ongoing}) + max_queued_requests ({queued})"
+        if held > REPLICA_REQUESTS_MAX:
+            raise ValueError(
+                f"{what}: a replica would hold {held} requests, past the "
+                f"{REPLICA_REQUESTS_MAX} it may (Serve bounds requests by 32-bit ints); "
+                "give smaller values"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_models(self) -> AppConfig:

@@ -60,6 +60,29 @@ ROOT = Path(__file__).resolve().parents[1]
         ({"generation_config": "VLLM"}, "generation_config: .*'VLLM' has no"),
         ({"generation_config": ""}, "generation_config: .*'' has no"),
         ({"generation_config": "/no/such/dir"}, "generation_config: .*'/no/such/dir' has no"),
+        ({"max_replicas": 2**32}, "max_replicas: .*less than or equal to 2147483647"),
+        ({"initial_replicas": 2**31}, "initial_replicas: .*less than or equal to 2147483647"),
+        ({"max_queued_requests": 2**31}, "max_queued_requests: .*less than or equal"),
+        ({"ingress_max_replicas": 2**31}, "ingress_max_replicas: .*less than or equal"),
+        ({"ingress_max_ongoing_requests": 10**12}, "ingress_max_ongoing_requests: .*less than"),
+        ({"max_ongoing_requests": 10**12}, "max_ongoing_requests: .*less than or equal"),
+        (
+            {"max_ongoing_requests": 2**28 + 1},
+            r"max_ongoing_requests \(268435457\) with the default max_queued_requests",
+        ),
+        ({"max_num_seqs": 2**29}, r"max_num_seqs \(536870912\) with the default max_queued"),
+        (
+            {"max_ongoing_requests": 2**29, "max_queued_requests": 2**30},
+            r"max_ongoing_requests \(536870912\) \+ max_queued_requests \(1073741824\)",
+        ),
+        ({"num_cpus": "inf"}, "num_cpus: Input should be a finite number"),
+        ({"ingress_num_cpus": float("inf")}, "ingress_num_cpus: Input should be a finite"),
+        ({"request_timeout_s": "inf"}, "request_timeout_s: Input should be a finite"),
+        ({"target_ongoing_requests": "nan"}, "target_ongoing_requests: .*finite"),
+        ({"look_back_period_s": "inf"}, "look_back_period_s: Input should be a finite"),
+        ({"downscale_delay_s": "inf"}, "downscale_delay_s: Input should be a finite"),
+        ({"cpu_kv_cache_gib": "inf"}, "cpu_kv_cache_gib: Input should be a finite"),
+        ({"tenants": {"t": {"request_timeout_s": "inf"}}}, "tenants.t.request_timeout_s: .*finite"),
     ],
 )
 def test_a_bad_key_or_value_fails_at_build_naming_it(args, named):
@@ -225,6 +248,18 @@ def test_autoscaling_defaults_scale_before_the_engine_is_full():
     )
     assert explicit["autoscaling_config"]["target_ongoing_requests"] == 5
     assert explicit["max_queued_requests"] == 0
+
+
+def test_the_largest_request_bounds_fit_serves_32_bit_ints():
+    edge = {"max_ongoing_requests": 2**28, "max_queued_requests": 3 * 2**28, "device": "cpu"}
+    options = llm_server_options(load_app_config({**edge, "max_replicas": 2**31 - 1}))
+    assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (2**28, 3 * 2**28)
+    assert options["autoscaling_config"]["max_replicas"] == 2**31 - 1
+    colocated = load_app_config({**edge, "colocate_ingress": True})
+    ingress = build_openai_app(colocated)._bound_deployment
+    assert 2**30 < ingress._deployment_config.max_ongoing_requests <= 2**31 - 1
+    default_queue = llm_server_options(load_app_config({"max_num_seqs": 2**30 // 5}))
+    assert default_queue["max_queued_requests"] == 4 * (2**30 // 5)
 
 
 def test_tenant_from_api_key_or_header():
