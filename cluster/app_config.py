@@ -158,6 +158,35 @@ class ServeOptions(BaseModel):
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         return self
 
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, tenant in value.items():
+            problem = _header_problem(key)
+            if problem is not None:  # named by its tenant: the key is a secret
+                raise ValueError(
+                    f"the key of tenant {tenant!r} {problem}: an API key is {_HEADER_TEXT} "
+                    "(as the Authorization header carries it)"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _check_tenant_names(self) -> ServeOptions:
+        keyed = set(self.api_keys.values())
+        for name in self.tenants:
+            if self.api_keys and name not in keyed:
+                raise ValueError(
+                    f"tenants: no API key maps to {name!r} (api_keys map to "
+                    f"{', '.join(map(repr, sorted(keyed)))}), so its settings would never apply"
+                )
+            problem = None if self.api_keys else _header_problem(name)
+            if problem is not None:
+                raise ValueError(
+                    f"tenants: the name {name!r} {problem}: without api_keys the tenant is "
+                    f"the X-Tenant-Id header, so a tenant's name is {_HEADER_TEXT}"
+                )
+        return self
+
     @field_validator("chat_template")
     @classmethod
     def _template_text(cls, value: str | None) -> str | None:
@@ -182,10 +211,35 @@ class ServeOptions(BaseModel):
 def _json_text(value: Any) -> Any:
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            return json.loads(value, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise ValueError(f"not valid JSON: {e}") from None
     return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict; a key given twice is an error (json.loads keeps the last)."""
+    value: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in value:
+            raise ValueError(f"{key!r} is given twice in the JSON text")
+        value[key] = item
+    return value
+
+
+_HEADER_TEXT = "printable ASCII, not empty, without whitespace at either end"
+
+
+def _header_problem(text: str) -> str | None:
+    """Why a request header's value can never equal `text` (the server strips its ends and
+    decodes it as latin-1; clients send ASCII), None if one can."""
+    if not text:
+        return "is empty"
+    if text != text.strip():
+        return "starts or ends with whitespace"
+    if not (text.isascii() and text.isprintable()):
+        return "is not printable ASCII"
+    return None
 
 
 # ModelConfig comes first: its max_model_len default (None = the model's own) wins.

@@ -83,6 +83,27 @@ ROOT = Path(__file__).resolve().parents[1]
         ({"downscale_delay_s": "inf"}, "downscale_delay_s: Input should be a finite"),
         ({"cpu_kv_cache_gib": "inf"}, "cpu_kv_cache_gib: Input should be a finite"),
         ({"tenants": {"t": {"request_timeout_s": "inf"}}}, "tenants.t.request_timeout_s: .*finite"),
+        ({"api_keys": {"": "t"}}, "api_keys: .*the key of tenant 't' is empty"),
+        ({"api_keys": {"sk-1 ": "t"}}, "api_keys: .*tenant 't' starts or ends with whitespace"),
+        ({"api_keys": {"sk-\u00e9": "t"}}, "api_keys: .*tenant 't' is not printable ASCII"),
+        ({"api_keys": {"sk-\t1": "t"}}, "api_keys: .*tenant 't' is not printable ASCII"),
+        (
+            {"api_keys": {"k1": "team-a", "k2": "team-b"}, "tenants": {"team_a": {"priority": 1}}},
+            "tenants: no API key maps to 'team_a' \\(api_keys map to 'team-a', 'team-b'\\)",
+        ),
+        ({"tenants": {"": {"priority": 1}}}, "tenants: the name '' is empty: without api_keys"),
+        ({"tenants": {"t\u00eb": {}}}, "tenants: the name 't\u00eb' is not printable ASCII"),
+        ({"tenants": {" t": {}}}, "tenants: the name ' t' starts or ends with whitespace"),
+        ({"api_keys": '{"k": "a", "k": "b"}'}, "api_keys: .*'k' is given twice"),
+        ({"tenants": '{"a": {"priority": 1, "priority": 2}}'}, "tenants: .*'priority' is given"),
+        (
+            {"default_chat_template_kwargs": '{"x": 1, "x": 2}'},
+            "default_chat_template_kwargs: .*'x'",
+        ),
+        (
+            {"models": '[{"max_model_len": 64, "max_model_len": 99}]'},
+            "models: .*'max_model_len' is",
+        ),
     ],
 )
 def test_a_bad_key_or_value_fails_at_build_naming_it(args, named):
@@ -260,6 +281,19 @@ def test_the_largest_request_bounds_fit_serves_32_bit_ints():
     assert 2**30 < ingress._deployment_config.max_ongoing_requests <= 2**31 - 1
     default_queue = llm_server_options(load_app_config({"max_num_seqs": 2**30 // 5}))
     assert default_queue["max_queued_requests"] == 4 * (2**30 // 5)
+
+
+def test_api_keys_and_tenant_names_a_request_can_give_are_accepted():
+    keyed = load_app_config(
+        {"api_keys": '{"sk a-1": "team a", "sk-2": "b"}', "tenants": {"team a": {"priority": 1}}}
+    )
+    resolver = TenantResolver(keyed.api_keys, keyed.tenants)
+    tenant = resolver.resolve({"authorization": "Bearer sk a-1"})
+    assert (tenant.name, tenant.config.priority) == ("team a", 1)
+    with pytest.raises(APIError):
+        resolver.resolve({"authorization": "Bearer "})
+    named = load_app_config({"tenants": {"default": {"priority": 2}, "team-b": {}}})
+    assert TenantResolver({}, named.tenants).resolve({}).config.priority == 2
 
 
 def test_tenant_from_api_key_or_header():
