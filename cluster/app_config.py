@@ -358,21 +358,45 @@ class AppConfig(_AppConfigBase):
     def _check_replica_requests(self) -> AppConfig:
         if self.models is not None:
             return self  # each entry is checked on its own
-        ongoing = self.resolved_max_ongoing_requests()
-        key = "max_ongoing_requests" if self.max_ongoing_requests is not None else "max_num_seqs"
+        # Before the device is known, the larger default (a GPU's).
+        ongoing = self.resolved_max_ongoing_requests(self.device or "cuda")
+        ongoing_key = "max_ongoing_requests"
+        if self.max_ongoing_requests is None and self.max_num_seqs is not None:
+            ongoing_key = "max_num_seqs"
         queued = self.max_queued_requests
         if queued is None:
-            held = 5 * ongoing
-            what = f"{key} ({ongoing}) with the default max_queued_requests (4 x {key})"
+            queued = 4 * ongoing
+            held = f"max_queued_requests (default: 4 x {ongoing_key} = {queued})"
         else:
-            held = ongoing + queued
-            what = f"{key} ({ongoing}) + max_queued_requests ({queued})"
-        if held > REPLICA_REQUESTS_MAX:
+            held = f"max_queued_requests ({queued})"
+        held = f"{ongoing_key} ({ongoing}) + {held}"
+        if ongoing + queued > REPLICA_REQUESTS_MAX:
             raise ValueError(
-                f"{what}: a replica would hold {held} requests, past the "
+                f"{held}: a replica would hold {ongoing + queued} requests, past the "
                 f"{REPLICA_REQUESTS_MAX} it may (Serve bounds requests by 32-bit ints); "
                 "give smaller values"
             )
+        # The autoscaler counts a replica's requests and those queued for it at its callers.
+        # With none queued there (no queue, or colocated: the replica queues its own) a
+        # target of what one replica holds is never passed.
+        target = self.target_ongoing_requests
+        bounded = self.colocate_ingress or queued == 0
+        if target is not None and bounded and target >= ongoing + queued:
+            raise ValueError(
+                f"target_ongoing_requests ({target:g}) is not below the requests a replica "
+                f"holds, {held}: the autoscaler would never add a replica"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_priorities(self) -> AppConfig:
+        if self.policy == "fcfs":
+            for name, tenant in self.tenants.items():
+                if tenant.priority != 0:
+                    raise ValueError(
+                        f"policy fcfs ignores priorities, but tenants.{name}.priority is "
+                        f"{tenant.priority}: use policy priority (the default) or drop it"
+                    )
         return self
 
     @model_validator(mode="after")
@@ -402,6 +426,17 @@ class AppConfig(_AppConfigBase):
                         "served_model_name"
                     )
                 first_entry[name] = i
+        deployments: dict[str, int] = {}
+        for i, config in enumerate(configs):
+            deployment = _llm_server_name(config.served_name)
+            if deployment in deployments:
+                other = deployments[deployment]
+                raise ValueError(
+                    f"models[{i}]: served name {config.served_name!r} and models[{other}]'s "
+                    f"{configs[other].served_name!r} make one Serve deployment, {deployment} "
+                    "('#' becomes '_'): give one of them another served_model_name"
+                )
+            deployments[deployment] = i
         self._model_configs = configs
         return self
 
@@ -437,14 +472,15 @@ class AppConfig(_AppConfigBase):
             return self
         return self.model_copy(update={"device": "cuda" if _cluster_has_gpus() else "cpu"})
 
-    def resolved_max_ongoing_requests(self) -> int:
+    def resolved_max_ongoing_requests(self, device: str | None = None) -> int:
+        """Serve's max_ongoing_requests on `device` (default: the config's)."""
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
         if self.max_num_seqs is not None:
             return self.max_num_seqs
         # The engine's own default on a large GPU; on a smaller one (256 sequences) the rest
         # wait in the engine's queue, as they would in vLLM's server.
-        return 1024 if self.device == "cuda" else 256
+        return 1024 if (device or self.device) == "cuda" else 256
 
     def tenant(self, name: str) -> TenantConfig:
         return self.tenants.get(name) or TenantConfig()
@@ -492,6 +528,11 @@ def _model_config(index: int, entry: dict[str, Any], app_wide: dict[str, Any]) -
     except ValidationError as e:
         raise ValueError(_problems(e, within=f"models[{index}]")) from None
     return config
+
+
+def _llm_server_name(served_name: str) -> str:
+    # cluster/deployments.py llm_server_name's rule, which names the deployments.
+    return "LLMServer:" + served_name.replace("#", "_")
 
 
 def _cluster_has_gpus() -> bool:

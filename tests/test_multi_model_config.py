@@ -57,6 +57,9 @@ TWO = [
         ({"models": [{}, 3]}, r"models\.1"),
         ({"models": []}, r"models"),
         ({"models": "[{not json"}, r"models: .*not valid JSON"),
+        # Served names Serve would deploy under one name.
+        ({"models": [{"served_model_name": "a#b"}, {"served_model_name": "a_b"}]}, r"models\[1\]: served name 'a_b' and models\[0\]'s 'a#b' make one Serve deployment, LLMServer:a_b"),
+        ({"models": [{"policy": "fcfs"}], "tenants": {"t": {"priority": 2}}}, r"models\[0\]: .*policy fcfs ignores priorities, but tenants.t.priority is 2"),
     ],
 )  # fmt: skip
 def test_a_bad_models_config_fails_at_build_naming_the_key(args, named):
@@ -138,6 +141,15 @@ def test_one_entry_of_models_may_be_colocated():
 
 def test_llm_server_names_are_valid_serve_names():
     assert llm_server_name("team/model#2") == "LLMServer:team/model_2"
+
+
+def test_served_names_that_pass_get_a_deployment_each():
+    names = ["a#b", "a/b", "a:b", "a b", "A_b"]
+    config = load_app_config({"models": [{"served_model_name": name} for name in names]})
+    servers = build_openai_app(config)._bound_deployment.init_args[0]
+    deployments = [servers[name]._bound_deployment.name for name in names]
+    assert deployments == [llm_server_name(name) for name in names]
+    assert len(set(deployments)) == len(names)
 
 
 def test_default_served_names_read_no_file_and_match_the_engines():

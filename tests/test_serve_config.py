@@ -68,9 +68,9 @@ ROOT = Path(__file__).resolve().parents[1]
         ({"max_ongoing_requests": 10**12}, "max_ongoing_requests: .*less than or equal"),
         (
             {"max_ongoing_requests": 2**28 + 1},
-            r"max_ongoing_requests \(268435457\) with the default max_queued_requests",
+            r"max_ongoing_requests \(268435457\) \+ max_queued_requests \(default: 4 x ",
         ),
-        ({"max_num_seqs": 2**29}, r"max_num_seqs \(536870912\) with the default max_queued"),
+        ({"max_num_seqs": 2**29}, r"max_num_seqs \(536870912\) \+ max_queued_requests \(def"),
         (
             {"max_ongoing_requests": 2**29, "max_queued_requests": 2**30},
             r"max_ongoing_requests \(536870912\) \+ max_queued_requests \(1073741824\)",
@@ -103,6 +103,22 @@ ROOT = Path(__file__).resolve().parents[1]
         (
             {"models": '[{"max_model_len": 64, "max_model_len": 99}]'},
             "models: .*'max_model_len' is",
+        ),
+        (
+            {"policy": "fcfs", "tenants": {"t": {"priority": 1}}},
+            "policy fcfs ignores priorities, but tenants.t.priority is 1",
+        ),
+        (
+            {"target_ongoing_requests": 9, "max_ongoing_requests": 8, "max_queued_requests": 0},
+            r"target_ongoing_requests \(9\) is not below .* max_ongoing_requests \(8\) \+ max_q",
+        ),
+        (
+            {"target_ongoing_requests": 16, "max_num_seqs": 16, "max_queued_requests": 0},
+            r"target_ongoing_requests \(16\) .* max_num_seqs \(16\) .* never add a replica",
+        ),
+        (
+            {"target_ongoing_requests": 40, "max_ongoing_requests": 8, "colocate_ingress": True},
+            r"target_ongoing_requests \(40\) .*\(default: 4 x max_ongoing_requests = 32\)",
         ),
     ],
 )
@@ -294,6 +310,16 @@ def test_api_keys_and_tenant_names_a_request_can_give_are_accepted():
         resolver.resolve({"authorization": "Bearer "})
     named = load_app_config({"tenants": {"default": {"priority": 2}, "team-b": {}}})
     assert TenantResolver({}, named.tenants).resolve({}).config.priority == 2
+
+
+def test_a_target_the_autoscaler_can_reach_is_accepted():
+    # Requests queued for a replica count too: past max_ongoing_requests it scales on queues.
+    queued = load_app_config({"target_ongoing_requests": 9, "max_ongoing_requests": 8})
+    assert llm_server_options(queued)["autoscaling_config"]["target_ongoing_requests"] == 9
+    colocated = {"max_ongoing_requests": 8, "colocate_ingress": True}
+    assert load_app_config({**colocated, "target_ongoing_requests": 39.5}).colocate_ingress
+    fcfs = load_app_config({"policy": "fcfs", "tenants": {"t": {"max_concurrent_requests": 2}}})
+    assert fcfs.engine_args()["policy"] == "fcfs"
 
 
 def test_tenant_from_api_key_or_header():
