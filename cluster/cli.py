@@ -32,18 +32,34 @@ def _is_bool(annotation: Any) -> bool:
     )
 
 
+def _takes_none(annotation: Any) -> bool:
+    return type(None) in typing.get_args(annotation)
+
+
+def _port(text: str) -> int:
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvray", description="kvray: LLM serving on Ray Serve")
+    parser = argparse.ArgumentParser(
+        prog="kvray", description="kvray: LLM serving on Ray Serve", allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: the bundled SmolLM2) with Ray Serve; several "
         "models with --models instead. Dict- and list-valued keys (--api-keys, --tenants, "
-        "--default-chat-template-kwargs, --models) take JSON.",
+        "--default-chat-template-kwargs, --models) take JSON; keys that may be unset take "
+        "none (--request-timeout-s none: no time limit).",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
     )
-    serve.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
+    serve.add_argument(
+        "model_path", nargs="?", metavar="MODEL", help="same as --model (give one of the two)"
+    )
     groups = {
         True: serve.add_argument_group("engine (vLLM's engine arguments)"),
         False: serve.add_argument_group("serving (replicas, queues, tenants, safety)"),
@@ -61,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(_flag(name), dest=name, metavar="VALUE", help=_help(info))
     run = serve.add_argument_group("this command")
     run.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
-    run.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    run.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
     run.add_argument("--name", default="kvray", help="Serve application name (default: kvray)")
     run.add_argument(
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, or start one)"
@@ -75,16 +91,25 @@ def parse_serve_args(argv: list[str]) -> tuple[AppConfig, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
     keys = {k: v for k, v in vars(args).items() if k in AppConfig.model_fields}
+    for name, value in keys.items():
+        if _takes_none(AppConfig.model_fields[name].annotation) and _is_none(value):
+            keys[name] = None
     names = keys.get("served_model_name")
     if names is not None and len(names) == 1:
         keys["served_model_name"] = names[0]
     if getattr(args, "model_path", None) is not None:
+        if "model" in keys:
+            args.serve_parser.error("give the model once: as MODEL or as --model, not both")
         keys["model"] = args.model_path
     try:
         return load_app_config(keys), args
     except ValueError as e:
         args.serve_parser.error(str(e))
         raise  # error() exits; this keeps type checkers informed
+
+
+def _is_none(value: Any) -> bool:
+    return isinstance(value, str) and value.lower() in ("none", "null")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -250,6 +250,36 @@ def test_kvray_serve_rejects_a_bad_value_naming_it(capsys):
     assert "max_num_seqs" in capsys.readouterr().err
 
 
+def test_kvray_serve_takes_none_for_keys_that_may_be_unset():
+    config, _ = parse_serve_args(["serve", "--request-timeout-s", "none", "--max-num-seqs", "8"])
+    assert (config.request_timeout_s, config.max_num_seqs) == (None, 8)
+    config, _ = parse_serve_args(["serve", "--max-num-seqs", "null", "--device", "None"])
+    assert (config.max_num_seqs, config.device) == (None, None)
+    assert config == load_app_config({"max_num_seqs": None, "device": None})
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--max-replicas", "none"], "max_replicas"),
+        (["/models/a", "--model", "/models/b"], "as MODEL or as --model, not both"),
+        (["/models/a", "--model", "/models/a"], "as MODEL or as --model, not both"),
+        (["--tenant", "{}"], "unrecognized arguments: --tenant"),
+        (["--max-rep", "4"], "unrecognized arguments: --max-rep"),
+        (["--port", "99999"], "argument --port: '99999' is not a TCP port"),
+        (["--port", "0"], "argument --port: '0' is not a TCP port"),
+        (["--port", "-1"], "argument --port: '-1' is not a TCP port"),
+        (["--port", "80x"], "argument --port: '80x' is not a TCP port"),
+    ],
+)
+def test_kvray_serve_refuses_an_unclear_command_line(argv, error, capsys):
+    with pytest.raises(SystemExit):
+        parse_serve_args(["serve", *argv])
+    assert error in capsys.readouterr().err
+    _, args = parse_serve_args(["serve", "--port", "65535"])
+    assert args.port == 65535
+
+
 def test_placement_bundles_follow_the_parallel_config():
     cpu = llm_server_options(
         load_app_config({"device": "cpu", "tensor_parallel_size": 2, "pipeline_parallel_size": 2})
