@@ -428,7 +428,7 @@ class AppConfig(_AppConfigBase):
                 first_entry[name] = i
         deployments: dict[str, int] = {}
         for i, config in enumerate(configs):
-            deployment = _llm_server_name(config.served_name)
+            deployment = llm_server_name(config.served_name)
             if deployment in deployments:
                 other = deployments[deployment]
                 raise ValueError(
@@ -530,8 +530,8 @@ def _model_config(index: int, entry: dict[str, Any], app_wide: dict[str, Any]) -
     return config
 
 
-def _llm_server_name(served_name: str) -> str:
-    # cluster/deployments.py llm_server_name's rule, which names the deployments.
+def llm_server_name(served_name: str) -> str:
+    """The LLMServer deployment of one of several models (Serve refuses '#' in names)."""
     return "LLMServer:" + served_name.replace("#", "_")
 
 

@@ -37,7 +37,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
-from cluster.app_config import AppConfig
+from cluster.app_config import AppConfig, llm_server_name
 from cluster.http_app import (
     ClosingStreamingResponse,
     HotRoutes,
@@ -532,11 +532,6 @@ def build_openai_app(config: AppConfig) -> Any:
         ray_actor_options={"num_cpus": config.ingress_num_cpus, "runtime_env": _replica_env()},
     )
     return ingress.bind(servers, config, limiter)
-
-
-def llm_server_name(served_name: str) -> str:
-    """The LLMServer deployment of one of several models (Serve refuses '#' in names)."""
-    return "LLMServer:" + served_name.replace("#", "_")
 
 
 def _replica_env() -> dict[str, Any]:

@@ -46,7 +46,8 @@ def check_setting(setting: str) -> str:
     """ValueError unless `setting` is "auto", "vllm" or a folder with the file."""
     if setting in ("auto", "vllm"):
         return setting
-    if not (Path(setting).expanduser() / FILE_NAME).is_file():
+    # "" would name the working directory.
+    if not setting or not (Path(setting).expanduser() / FILE_NAME).is_file():
         raise ValueError(
             f'generation_config must be "auto", "vllm" or a folder holding {FILE_NAME}; '
             f"{setting!r} has no {FILE_NAME}"

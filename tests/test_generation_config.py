@@ -73,10 +73,15 @@ def test_a_bad_file_fails_naming_it(tmp_path, content, problem):
     assert "generation_config" in str(info.value)
 
 
-def test_a_folder_without_the_file_is_refused_at_config_time(tmp_path):
+def test_a_folder_without_the_file_is_refused_at_config_time(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="generation_config"):
         EngineConfig.create(generation_config=str(tmp_path), device="cpu")
     EngineConfig.create(generation_config="vllm", device="cpu")
+    # An empty setting names no folder, even where the working directory holds the file.
+    (tmp_path / "generation_config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="generation_config"):
+        EngineConfig.create(generation_config="", device="cpu")
 
 
 def test_eos_ids_come_from_config_tokenizer_and_file_primary_first():
