@@ -12,10 +12,10 @@ import pytest
 
 import cluster.deployments as deployments
 from cluster.app_config import load_app_config
-from cluster.deployments import OpenAIIngress
 from cluster.local_server import LocalServer
 from engine.api.errors import APIError
 from engine.api.responses import UsageInfo
+from tests.ingress_outside_serve import build_ingress, outside_serve  # noqa: F401 (a fixture)
 
 
 class _FakeHost:
@@ -66,15 +66,7 @@ class _FakeHost:
         return {"model": self.name}
 
 
-class _NoMetrics:
-    def inc(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture(autouse=True)
-def _outside_serve(monkeypatch):
-    monkeypatch.setattr(deployments, "RayMetricsSink", _NoMetrics)
-    monkeypatch.setattr(deployments, "tune_for_serving", lambda: None)
+pytestmark = pytest.mark.usefixtures("outside_serve")
 
 
 CHAT = [{"role": "user", "content": "x"}]
@@ -84,10 +76,7 @@ TWO = {"models": [SMALL, {"model": "/m/Big"}]}
 
 async def _ingress(args: dict, server: LocalServer | dict[str, LocalServer]) -> Any:
     """The ingress of `args` over `server` (one, or one per model), built outside Serve."""
-    ingress_class = OpenAIIngress.func_or_class.__bases__[0]  # under Serve's ASGI wrapper
-    ingress = ingress_class.__new__(ingress_class)
-    await ingress_class.__init__(ingress, server, load_app_config(args))
-    return ingress
+    return await build_ingress(server, load_app_config(args))
 
 
 def _serve(args: dict, hosts: dict[str, _FakeHost], requests: list[tuple], single=False):

@@ -13,10 +13,10 @@ import pytest
 
 import cluster.deployments as deployments
 from cluster.app_config import load_app_config
-from cluster.deployments import OpenAIIngress
 from cluster.local_server import LocalServer
 from cluster.tenants import TenantLimiter
 from engine.api.responses import UsageInfo
+from tests.ingress_outside_serve import build_ingress, outside_serve  # noqa: F401 (a fixture)
 
 PROMPT_TOKENS = 7
 TENANT = {"X-Tenant-Id": "a"}
@@ -76,24 +76,14 @@ class _LimiterHandle:
         self.release = _Method(limiter.release)
 
 
-class _NoMetrics:
-    def inc(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture(autouse=True)
-def _outside_serve(monkeypatch):
-    monkeypatch.setattr(deployments, "RayMetricsSink", _NoMetrics)
-    monkeypatch.setattr(deployments, "tune_for_serving", lambda: None)
+pytestmark = pytest.mark.usefixtures("outside_serve")
 
 
 async def _app(host: _Host, tenant: dict) -> tuple[Any, TenantLimiter, LocalServer]:
     config = load_app_config({"served_model_name": "m", "tenants": {"a": tenant}})
     limiter = TenantLimiter(config.tenants, config.request_timeout_s)
     server = LocalServer(host, 8)
-    ingress_class = OpenAIIngress.func_or_class.__bases__[0]  # under Serve's ASGI wrapper
-    ingress = ingress_class.__new__(ingress_class)
-    await ingress_class.__init__(ingress, server, config, _LimiterHandle(limiter))
+    ingress = await build_ingress(server, config, _LimiterHandle(limiter))
     return ingress.__serve_build_asgi_app__(), limiter, server
 
 
