@@ -65,6 +65,10 @@ class TenantConfig(BaseModel):
     def has_limits(self) -> bool:
         return self.max_concurrent_requests is not None or self.tokens_per_minute is not None
 
+    def time_limit_s(self, app_request_timeout_s: float | None) -> float | None:
+        """This tenant's request time limit: its own request_timeout_s, else the app's."""
+        return self.request_timeout_s or app_request_timeout_s
+
 
 class ServeOptions(BaseModel):
     """Keys of the Serve app itself (replicas, queues, safety, tenants)."""

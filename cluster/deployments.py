@@ -316,7 +316,7 @@ class OpenAIIngress:
             model_name = self.router.name_for(parsed.model)
             server = self.router.stream(model_name)
             lease = await self._acquire(tenant.name)
-            timeout = tenant.config.request_timeout_s or self.config.request_timeout_s
+            timeout = tenant.config.time_limit_s(self.config.request_timeout_s)
             ctx = RequestContext(
                 request_id=client_request_id(request.headers),
                 priority=tenant.config.priority,

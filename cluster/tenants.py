@@ -138,8 +138,7 @@ class TenantLimiter:
         return state
 
     def _lease_ttl_s(self, tenant: str) -> float | None:
-        config = self.tenants.get(tenant)
-        timeout = (config and config.request_timeout_s) or self.request_timeout_s
+        timeout = (self.tenants.get(tenant) or TenantConfig()).time_limit_s(self.request_timeout_s)
         return None if timeout is None else timeout + LEASE_GRACE_S
 
     @staticmethod
