@@ -16,7 +16,7 @@
 #          C1_BLOCK=N with it: N prompts a turn, the steady ones reported apart;
 #          C1_PAIRED_DIRECT=1 with it: the paired run again past HAProxy (to the replica);
 #          HAPROXY_BUSY=1 runs HAProxy with one thread that busy-polls;
-#          HOP_TRACE=1 traces every request's hops, engine/hop_trace.py, into $OUT/hops and
+#          HOP_TRACE=1 traces every request's hops, engine/observability/hop_trace.py, into $OUT/hops and
 #          prints bench.hops of them: meant for concurrency 1)
 # prefill: bench.prefill_steps for llama3-8b (first token and prefill steps, piecewise
 #          CUDA graphs against eager, alternating in one engine)
@@ -89,8 +89,8 @@ qwen3_suite() {
 
 for s in "$@"; do
     case $s in
-    tests) stage tests 200 python -m pytest -m gpu -q tests/test_kernels.py \
-        tests/test_gpu_model.py tests/test_sampler.py tests/test_structured_output.py ;;
+    tests) stage tests 200 python -m pytest -m gpu -q tests/kernels/test_kernels.py \
+        tests/gpu/test_gpu_model.py tests/engine/test_sampler.py tests/engine/test_structured_output.py ;;
     profile)
         stage profile-qwen3-mixed 180 python -m bench.profile_step workload \
             --model-shape qwen3-0.6b --workload mixed
@@ -110,7 +110,7 @@ for s in "$@"; do
     wakeups-pinned) stage wakeups-pinned 120 python -m bench.wakeups --cpus 2,3 --record ;;
     encode-placement) stage encode-placement 420 python -m bench.encode_placement --ray --record
         grep -v '^{' "$out/encode-placement.log" ;;
-    tests2) stage tests2 300 python -m pytest -m gpu -q tests/test_parallel_gpu.py ;;
+    tests2) stage tests2 300 python -m pytest -m gpu -q tests/gpu/test_parallel_gpu.py ;;
     offline)
         stage offline-llama3-8b 300 python -m bench.suite --model-shape llama3-8b --baseline hf --record
         qwen3_suite ;;

@@ -1,4 +1,4 @@
-"""Where concurrency 1's time to first token goes, hop by hop (engine/hop_trace.py).
+"""Where concurrency 1's time to first token goes, hop by hop (engine/observability/hop_trace.py).
 
     KVRAY_HOP_TRACE=DIR <run bench.serve, through a server started with it, or in process>
     python -m bench.hops DIR

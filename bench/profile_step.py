@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     if runner.cuda_graphs:
         runner.cuda_graphs.run = timed("graph_run", runner.cuda_graphs.run)
     runner.model.compute_logits = timed("compute_logits", runner.model.compute_logits)
-    import engine.model_runner as mr
+    import engine.worker.model_runner as mr
 
     mr.sample_on_device = timed("sample_on_device", mr.sample_on_device)
     mr.finish_sampling = timed("finish_sampling", mr.finish_sampling)

@@ -103,11 +103,11 @@ def _lognormal(rng: random.Random, median: int, sigma: float, cap: int) -> int:
 
 @functools.cache
 def _hop() -> Any:
-    """engine.hop_trace.hop where KVRAY_HOP_TRACE is set (it imports the engine), else a no-op:
+    """engine.observability.hop_trace.hop where KVRAY_HOP_TRACE is set (it imports the engine), else a no-op:
     the client's send and first token, beside the server's hops."""
     if not os.environ.get("KVRAY_HOP_TRACE"):
         return lambda label: None
-    from engine.hop_trace import hop
+    from engine.observability.hop_trace import hop
 
     return hop
 

@@ -201,7 +201,7 @@ def _replica_http_port(log: Path) -> int | None:
 
 def _word_tokenizer(args: argparse.Namespace, folder: Path) -> Path:
     from bench.word_tokenizer import write_word_tokenizer
-    from engine.loader import load_hf_config, resolve_model_source
+    from engine.worker.loader import load_hf_config, resolve_model_source
 
     hf_config = load_hf_config(resolve_model_source(args.model, args.load_format))
     return write_word_tokenizer(folder, hf_config.vocab_size)

@@ -35,8 +35,8 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from engine.loader import served_names
 from engine.tokenizer import ChatInputError, check_template_kwargs, load_chat_template
+from engine.worker.loader import served_names
 
 SERVE_INT_MAX = 2**31 - 1
 """Serve holds replica counts and request bounds as 32-bit ints: past this serve.run fails

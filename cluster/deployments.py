@@ -58,8 +58,8 @@ from engine.api.protocol import (
 )
 from engine.api.responses import UsageInfo
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
-from engine.gc_pauses import tune_for_serving
-from engine.hop_trace import hop
+from engine.observability.gc_pauses import tune_for_serving
+from engine.observability.hop_trace import hop
 
 _REQUEST_TYPES = {
     "completion": CompletionRequest,

@@ -26,13 +26,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.placement import RankPlacement, place_ranks
 from cluster.topology import free_port
 from engine.config import EngineConfig
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import check_parallel_sizes, destroy_distributed, init_distributed
 from engine.executor import Executor
-from engine.gc_pauses import freeze_startup_heap
-from engine.loader import ModelSource
-from engine.model_runner import PendingRunnerOutput
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.worker import Worker
+from engine.observability.gc_pauses import freeze_startup_heap
+from engine.worker.loader import ModelSource
+from engine.worker.model_runner import PendingRunnerOutput
+from engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class WorkerDiedError(RuntimeError):
 
 @ray.remote(concurrency_groups={"health": 1})
 class RayWorker:
-    """Hosts one rank's `engine.worker.Worker` in its own process."""
+    """Hosts one rank's `engine.worker.worker.Worker` in its own process."""
 
     def __init__(self, num_threads: int):
         os.environ["OMP_NUM_THREADS"] = str(num_threads)

@@ -26,8 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import hop_trace
 from engine.api.errors import APIError
+from engine.observability import hop_trace
 
 logger = logging.getLogger("ray.serve")
 

@@ -20,11 +20,11 @@ import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from engine.metrics import METRICS
+from engine.observability.metrics import METRICS
 
 
 class RayMetricsSink:
-    """The `engine.metrics.MetricsSink` on `ray.serve.metrics` (plain Ray tags outside Serve)."""
+    """The `engine.observability.metrics.MetricsSink` on `ray.serve.metrics` (plain Ray tags outside Serve)."""
 
     def __init__(self, refresh_interval_s: float = 1.0) -> None:
         from ray.serve import metrics

@@ -106,7 +106,7 @@ def _bundled_haproxy() -> str:
 # whose body came after its headers (httpx and the openai client send it so). It kept the
 # replica's connection open, so Serve never cancelled the handler and a non-streamed
 # completion whose client had gone ran to its end. Without splicing the replica sees the
-# close at once and Serve cancels the request (tests/test_serve_direct_ingress.py). The
+# close at once and Serve cancels the request (tests/serve/test_serve_direct_ingress.py). The
 # bodies are small: one-token completions at concurrency 1 (colocate_ingress, medians of
 # 100) took 82-89 ms with splicing and without, the spread of runs of either.
 DIRECT_INGRESS_ENV = {

@@ -23,8 +23,8 @@ from typing import Any
 
 from engine.core_loop import AbortOp, AddOp, CallOp, CoreLoop, Op, Results
 from engine.generation_config import GenerationDefaults
-from engine.hop_trace import hop
-from engine.metrics import BufferedSink
+from engine.observability.hop_trace import hop
+from engine.observability.metrics import BufferedSink
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestInputError, SamplingParams
 from engine.tokenizer import encode_text
@@ -288,7 +288,7 @@ class AsyncEngine:
         return started is None or time.monotonic() - started < self.stall_timeout_s
 
     def enable_metrics(self, sink: Any) -> None:
-        """Record engine metrics into `sink` (engine/metrics.py) from the next request on.
+        """Record engine metrics into `sink` (engine/observability/metrics.py) from the next request on.
 
         The engine loop only buffers them. Called on an event loop, that loop records them,
         a few at a time (_SpreadRecorder); else the thread that hands the engine's outputs

@@ -132,7 +132,7 @@ class EngineConfig(_Frozen):
         "default with tensor_parallel_size > 1)",
     )
     """Steps with prefills of up to this many tokens (at most max_num_batched_tokens) replay
-    CUDA graphs split at attention (engine/piecewise_graphs.py); 0: they run eagerly, the
+    CUDA graphs split at attention (engine/worker/piecewise_graphs.py); 0: they run eagerly, the
     default with tensor_parallel_size > 1 (not yet run on GPUs there).
     Decode-only steps always replay whole-forward graphs unless enforce_eager. Measured for
     llama3-8b on an H200 (bench/RESULTS.md): an 8-token first token 18.1 -> 5.7 ms, 256

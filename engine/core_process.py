@@ -23,10 +23,10 @@ from collections.abc import Callable
 from os.path import commonprefix
 from typing import Any
 
-from engine import hop_trace
 from engine.core_loop import AddOp, CoreLoop, Op, Results
-from engine.gc_pauses import freeze_startup_heap
-from engine.metrics import BufferedSink
+from engine.observability import hop_trace
+from engine.observability.gc_pauses import freeze_startup_heap
+from engine.observability.metrics import BufferedSink
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import truncate_prompt
 

@@ -12,9 +12,9 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.loader import ModelSource
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.worker import Worker
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.loader import ModelSource
+from engine.worker.worker import Worker
 
 EXECUTOR_BACKENDS = {"ray": "cluster.executor:RayActorGroupExecutor"}
 
@@ -61,11 +61,11 @@ class Executor(ABC):
         """Raise if a worker is gone."""
 
     def warn_of_late_kernel_variants(self) -> None:
-        """From now on every rank warns of each Triton kernel it builds (engine/worker.py)."""
+        """From now on every rank warns of each Triton kernel it builds (engine/worker/worker.py)."""
 
     def freeze_worker_heaps(self) -> None:
         """Every rank that runs in a process of its own freezes its start-up heap
-        (engine/gc_pauses.py); the engine's own process is left to whoever owns it."""
+        (engine/observability/gc_pauses.py); the engine's own process is left to whoever owns it."""
 
     def step_weight_bytes(self) -> int:
         """Weight bytes one decode step streams on its critical path: the largest

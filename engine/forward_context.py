@@ -3,7 +3,7 @@
 The model runner enters `forward_context(meta)` around `model(...)`; attention layers read
 it with `get_attention_metadata()`. Nesting is refused so a stale batch can never leak in.
 
-A forward for piecewise CUDA graphs (engine.piecewise_graphs) passes `split`: attention
+A forward for piecewise CUDA graphs (engine.worker.piecewise_graphs) passes `split`: attention
 layers then hand their paged attention to it instead of running it.
 """
 

@@ -16,18 +16,18 @@ from typing import Any
 import numpy as np
 
 from engine.config import EngineConfig, UsageContext
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.executor import Executor, PendingOutput, get_executor_class
-from engine.gc_pauses import frozen_heap
 from engine.generation_config import (
     config_eos_token_id,
     end_of_sequence_ids,
     read_generation_defaults,
 )
-from engine.loader import ModelSource, load_hf_config, resolve_model_source, served_names
-from engine.metrics import EngineMetrics, MetricsSink, RequestTimes
+from engine.observability.gc_pauses import frozen_heap
+from engine.observability.metrics import EngineMetrics, MetricsSink, RequestTimes
 from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput, TokenLogprobs
-from engine.request import Request, RequestStatus
-from engine.sampler import held_back_below_min_tokens
 from engine.sampling_params import (
     RequestInputError,
     RequestOutputKind,
@@ -35,8 +35,6 @@ from engine.sampling_params import (
     StructuredOutput,
     truncate_prompt,
 )
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import (
     IncrementalDetokenizer,
@@ -44,6 +42,8 @@ from engine.tokenizer import (
     encode_text,
     load_tokenizer,
 )
+from engine.worker.loader import ModelSource, load_hf_config, resolve_model_source, served_names
+from engine.worker.sampler import held_back_below_min_tokens
 
 
 @dataclass
@@ -169,7 +169,7 @@ class LLMEngine:
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0
 
     def enable_metrics(self, sink: MetricsSink, flush_interval_s: float = 1.0) -> None:
-        """Record engine metrics into `sink` from the next request on (see engine/metrics.py)."""
+        """Record engine metrics into `sink` from the next request on (see engine/observability/metrics.py)."""
         self.metrics = EngineMetrics(sink, self.model_name, flush_interval_s)
 
     @classmethod

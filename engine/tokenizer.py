@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.hop_trace import hop
+from engine.observability.hop_trace import hop
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -2,7 +2,7 @@
 
 The dashboard is generated so that every panel follows one pattern; a test checks that the
 JSON on disk is what this script writes. Metric names are those Ray exports (`ray_` +
-engine/metrics.py's names). The Prometheus data source is the `datasource` variable.
+engine/observability/metrics.py's names). The Prometheus data source is the `datasource` variable.
 """
 
 from __future__ import annotations

@@ -14,5 +14,5 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
-    # Triton kernels then run in Triton's interpreter on CPU tensors (tests/test_kernels.py).
+    # Triton kernels then run in Triton's interpreter on CPU tensors (tests/kernels/test_kernels.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,401 @@
+"""Paged KV-cache bookkeeping: a block pool with an LRU free queue, and prefix caching.
+
+Only ids and counts live here; the KV tensors themselves belong to the workers. Block 0 is
+the null block: it pads block tables and is never handed to a request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+from engine.core.request import Request
+
+
+class BlockHash(NamedTuple):
+    """Chained hash of one full block, stored with the key it was computed from.
+
+    A lookup compares the whole tuple, tokens included, so a hash collision can never hand
+    one prompt another prompt's KV.
+    """
+
+    value: bytes
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    extra_keys: tuple
+
+
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()
+) -> BlockHash:
+    parent_value = None if parent is None else parent.value
+    token_ids = tuple(token_ids)
+    key = pickle.dumps((parent_value, token_ids, extra_keys), protocol=5)
+    return BlockHash(hashlib.sha256(key).digest(), parent_value, token_ids, extra_keys)
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        """Set while the block is registered in the prefix cache (in use or free)."""
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={cached})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list threaded through the blocks themselves.
+
+    Allocation pops from the head and freeing appends at the tail, so among free blocks that
+    still hold cached KV the head is the least recently freed: the list is also the LRU
+    eviction order. A prefix hit on a free block unlinks it from the middle in O(1).
+    """
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]):
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free_block = self._tail
+        self._tail.prev_free_block = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free_block
+        if block is self._tail:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free_block is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free_block
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        block = self._head.next_free_block
+        while block is not self._tail:
+            yield block
+            block = block.next_free_block
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.prev_free_block is not None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
+            )
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: free ones, cached or not (cached are evictable)."""
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        block = self.cached_block_hash_to_block.get(block_hash.value)
+        if block is None or block.block_hash != block_hash:
+            return None
+        return block
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} are free"
+            )
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self.uncache_block(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        del self.cached_block_hash_to_block[block.block_hash.value]
+        block.block_hash = None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_blocks(
+        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
+    ) -> None:
+        """Register full blocks whose KV is computed so later requests can reuse them."""
+        if not self.enable_caching:
+            return
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_hash is not None:
+                continue
+            # Two requests computed the same block before either was cached: keep the first,
+            # the duplicate stays private to its request and is reused as a plain free block.
+            if block_hash.value in self.cached_block_hash_to_block:
+                continue
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash.value] = block
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the queue tail in the given order."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if self.get_num_free_blocks() != self.num_usable_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    def check_invariants(self) -> None:
+        free = list(self.free_block_queue)
+        free_ids = {b.block_id for b in free}
+        _check(len(free) == len(free_ids), "a block is in the free queue twice")
+        _check(len(free) == self.free_block_queue.num_free_blocks, "free count is stale")
+        null = self.null_block
+        _check(
+            null.block_id not in free_ids and null.ref_cnt == 0 and null.block_hash is None,
+            "the null block was handed out or cached",
+        )
+        num_in_use = num_cached_free = num_free = 0
+        for block in self.blocks[1:]:
+            is_free = block.block_id in free_ids
+            _check(block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}")
+            _check(
+                is_free == (block.ref_cnt == 0),
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {is_free}",
+            )
+            if block.block_hash is not None:
+                _check(
+                    self.cached_block_hash_to_block.get(block.block_hash.value) is block,
+                    f"block {block.block_id} has a hash the cache map does not point back to",
+                )
+            if not is_free:
+                num_in_use += 1
+            elif block.block_hash is not None:
+                num_cached_free += 1
+            else:
+                num_free += 1
+        for value, block in self.cached_block_hash_to_block.items():
+            _check(
+                block.block_hash is not None and block.block_hash.value == value,
+                f"cache map entry for block {block.block_id} does not match its hash",
+            )
+        _check(self.enable_caching or not self.cached_block_hash_to_block, "caching is off")
+        _check(
+            num_in_use + num_cached_free + num_free == self.num_usable_blocks,
+            "free + in use + cached != total",
+        )
+
+
+def _check(condition: bool, message: str) -> None:
+    # Not `assert`: these checks must survive `python -O`.
+    if not condition:
+        raise AssertionError(message)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+class KVCacheManager:
+    """Maps requests to blocks: prefix hits at admission, slots as tokens grow, frees at the end.
+
+    A request's blocks cover its computed tokens plus the ones scheduled this step:
+
+        |<-------- num_computed_tokens -------->|<--- num_new_tokens --->|
+        [ block 0 ][ block 1 ][ block 2 ][ block 3 ][ block 4 ][ block 5 ][ bl
+        |<-- prefix hits -->|                   |<-- allocated now, full ones cached -->|
+
+    Full blocks are registered as soon as they are scheduled, so a request admitted later in
+    the same step shares them: every layer writes the whole batch's KV before attending. If
+    the step never runs them (preempted in the same schedule), free() unregisters them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        """request id -> how many of its leading blocks are registered in the prefix cache."""
+        self.prefix_cache_queries = 0
+        """Tokens of the requests admitted so far (resumed ones again), as vLLM counts them."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens served from the prefix cache."""
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the whole cache holds: the most KV one request can ever have."""
+        return self.block_pool.num_usable_blocks * self.block_size
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks, and its length in tokens.
+
+        Never the whole request: the last token is recomputed so its logits sample the next.
+        None for a request that wants its prompt's logprobs: a cached token has no logits.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens; the ids of the newly allocated blocks.
+
+        `new_computed_blocks` are the prefix hits of a request being admitted. None (and no
+        change at all) when the free blocks do not suffice.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        if new_computed_blocks and req_blocks:
+            raise ValueError(f"request {req_id} already has blocks; prefix hits are for admission")
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Hits on free cached blocks leave the free queue, so they cannot also be handed out.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.num_free_blocks - num_free_hits:
+            return None
+
+        if req_id not in self.req_to_blocks:
+            self.req_to_blocks[req_id] = req_blocks
+            if self.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
+                self.num_cached_blocks[req_id] = len(new_computed_blocks)
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        self.cache_blocks(request, num_computed + num_new_tokens)
+        return [b.block_id for b in new_blocks]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks within its first `num_tokens` tokens."""
+        if not self.enable_caching or request.request_id not in self.req_to_blocks:
+            return
+        req_id = request.request_id
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_cached = self.num_cached_blocks.get(req_id, 0)
+        if num_full <= num_cached:
+            return
+        self._update_block_hashes(request)
+        self.block_pool.cache_full_blocks(
+            self.req_to_blocks[req_id][num_cached:num_full],
+            request.block_hashes[num_cached:num_full],
+        )
+        self.num_cached_blocks[req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; its computed full blocks stay cached until evicted."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        if blocks is None:
+            return
+        # Registered for tokens the step in flight was to compute, but it never will.
+        for block in blocks[request.num_computed_tokens // self.block_size : num_cached]:
+            self.block_pool.uncache_block(block)
+        # Tail first: the end of a prompt is the least likely part to be shared, so it is
+        # evicted before the head.
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request.request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        self.block_pool.check_invariants()
+        refs = Counter(b.block_id for blocks in self.req_to_blocks.values() for b in blocks)
+        _check(0 not in refs, "a request holds the null block")
+        for block in self.block_pool.blocks[1:]:
+            _check(
+                block.ref_cnt == refs.get(block.block_id, 0),
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                f"held by {refs.get(block.block_id, 0)} request(s)",
+            )
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        extra_keys = () if request.cache_salt is None else (request.cache_salt,)
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra_keys))

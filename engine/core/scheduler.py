@@ -1,0 +1,372 @@
+"""Continuous batching with one token budget per step.
+
+There are no prefill and decode phases. Every request has `num_tokens` known tokens and
+`num_computed_tokens` whose KV is cached; each step the scheduler lets the computed count
+catch up within `max_num_batched_tokens`. A decode wants 1 token, a fresh prompt wants all
+of it, and a prompt longer than what is left of the budget gets a chunk (chunked prefill).
+While requests decode, prompts share the smaller `max_prefill_tokens_with_decodes`: a step
+that carries decodes stays short, so one arriving prompt holds the streams up briefly
+(unless a whole step's worth of prompt tokens waits: then the queue comes first).
+A request samples a token when a step brings it to the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.sampling_params import RequestInputError
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_gpu_blocks: int
+    ):
+        self.config = scheduler_config
+        self.policy = scheduler_config.policy
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.block_size = cache_config.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        """Admission order: arrival for fcfs, (priority, arrival) for priority."""
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_req_ids: set[str] = set()
+        self.schedule_placeholders = False
+        """Schedule a request again while its sampled token is in flight. Only for executors
+        whose workers feed that token from their own device-side samples (supports_overlap);
+        otherwise a request waits for its token, and steps in flight carry other requests."""
+        self.num_micro_batches = 1
+        """Steps in flight at once (one per pipeline stage): each step takes about 1/n of the
+        requests, so that while one batch is in stage 2 the next has work for stage 1."""
+        self._num_sent_tokens: dict[str, int] = {}
+        """req id -> how many of its tokens the workers hold (sent in full or as diffs)."""
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def check_request(self, request: Request) -> None:
+        """ValueError for a request that could never be scheduled."""
+        self.check_prompt_len(request.num_prompt_tokens)
+
+    def check_prompt_len(self, n: int) -> None:
+        """RequestInputError for a prompt of `n` tokens that could never be scheduled."""
+        if n == 0:
+            raise RequestInputError("prompt", "is empty: it needs at least one token")
+        if n >= self.max_model_len:
+            raise RequestInputError(
+                "prompt",
+                f"has {n} tokens; max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)",
+            )
+        capacity = self.kv_cache_manager.max_num_tokens
+        if n > capacity:
+            raise RequestInputError(
+                "prompt",
+                f"has {n} tokens but the whole KV cache holds {capacity} "
+                f"({capacity // self.block_size} blocks of {self.block_size}); "
+                f"shorten the prompt or raise num_gpu_blocks",
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already scheduled")
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self._add_waiting(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string); unknown or finished ids are skipped."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def stats(self) -> dict[str, float]:
+        kv = self.kv_cache_manager
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "kv_cache_fragmentation": self._fragmentation(),
+        }
+
+    def _fragmentation(self) -> float:
+        """Share of the running requests' token slots that hold no token (last-block waste)."""
+        kv = self.kv_cache_manager
+        num_slots = self.block_size * sum(
+            len(kv.req_to_blocks.get(r.request_id, ())) for r in self.running
+        )
+        if num_slots == 0:
+            return 0.0
+        return 1.0 - sum(r.num_computed_tokens for r in self.running) / num_slots
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        prefilling: set[str] = set()
+        preempted = False
+        max_seqs = self._max_seqs_this_step()
+
+        i = 0
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_seqs:
+            request = self.running[i]
+            num_wanted = self._num_wanted(request)
+            num_new = min(num_wanted, budget)
+            is_prefill = num_wanted > 1 or request.num_computed_tokens < request.num_prompt_tokens
+            if is_prefill:
+                num_new = min(num_new, prefill_budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while (block_ids := kv.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                if victim.request_id in num_scheduled:
+                    refund = num_scheduled.pop(victim.request_id)
+                    budget += refund
+                    if victim.request_id in prefilling:
+                        prefilling.discard(victim.request_id)
+                        prefill_budget += refund
+                    new_block_ids.pop(victim.request_id)
+                self._preempt(victim)
+                preempted = True
+                if victim_index < i:
+                    i -= 1
+                if victim is request:
+                    break
+            if block_ids is None:
+                continue
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            budget -= num_new
+            if is_prefill:
+                prefilling.add(request.request_id)
+                prefill_budget -= num_new
+            i += 1
+        scheduled_running = [self.requests[r] for r in num_scheduled]
+
+        # A step that had to preempt is short of blocks: admitting now would only thrash.
+        scheduled_new: list[Request] = []
+        while (
+            not preempted
+            and self.waiting
+            and min(budget, prefill_budget) > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget, prefill_budget)
+            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break  # the head of the queue waits for blocks; nothing behind it jumps ahead
+            self.waiting.pop(0)
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            prefill_budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
+            scheduled_cached_reqs=[
+                self._cached_request_data(r, new_block_ids[r.request_id]) for r in scheduled_running
+            ],
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._finished_req_ids = set()
+        # Advance now, as if the step already ran: update_from_output only appends tokens.
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
+        return output
+
+    def defer_finished(self, output: SchedulerOutput) -> None:
+        """Send an unlaunched (empty) output's finished ids with the next step instead."""
+        self._finished_req_ids |= output.finished_req_ids
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may take: max_prefill_tokens_with_decodes while a running
+        request is past its prompt (decoding), else the whole step's budget.
+
+        With a whole step's worth of tokens waiting, the server is behind its arrivals and
+        short steps would only let the queue grow: prompts get the whole budget again.
+        """
+        cap = self.config.max_prefill_tokens_with_decodes
+        budget = self.config.max_num_batched_tokens
+        if not cap or not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return budget
+        num_waiting_tokens = 0
+        for request in self.waiting:
+            num_waiting_tokens += request.num_tokens
+            if num_waiting_tokens >= budget:
+                return budget
+        return cap
+
+    def _max_seqs_this_step(self) -> int:
+        if self.num_micro_batches == 1:
+            return self.config.max_num_seqs
+        num_requests = len(self.running) + len(self.waiting)
+        return max(1, -(-num_requests // self.num_micro_batches))
+
+    def _num_wanted(self, request: Request) -> int:
+        """Tokens a running request can compute now.
+
+        With a step in flight (asynchronous scheduling) a request's sampled token is not yet
+        appended: it counts as a placeholder, computed next step from the device-side value.
+        A request whose in-flight token is its last (max_tokens, max_model_len) waits.
+        """
+        if not self.schedule_placeholders:
+            return request.num_tokens - request.num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders:
+            max_tokens = request.sampling_params.max_tokens
+            num_outputs = request.num_output_tokens + placeholders
+            if (max_tokens is not None and num_outputs >= max_tokens) or (
+                request.num_tokens + placeholders >= self.max_model_len
+            ):
+                return 0
+        return request.num_tokens + placeholders - request.num_computed_tokens
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Append sampled tokens and apply stop conditions; the requests that got a token."""
+        updated = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            token = runner_output.sampled_token_ids.get(req_id)
+            request = self.requests.get(req_id)
+            if token is None or request is None or request.is_finished:
+                continue
+            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            request.append_output_token_ids(token)
+            status = self._check_stop(request)
+            if status is not None:
+                # A request preempted while its step was in flight waits in the queue.
+                queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+                queue.remove(request)
+                self._finish(request, status)
+            updated.append(request)
+        return updated
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        # The next step would need KV for every known token; past the whole cache that can
+        # never be scheduled, so end here rather than wait forever.
+        if request.num_tokens > self.kv_cache_manager.max_num_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _add_waiting(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            # A preempted request goes before its equals, a new one after them.
+            insort = bisect.insort_left if front else bisect.insort_right
+            insort(self.waiting, request, key=lambda r: (r.priority, r.arrival_time))
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    def _pick_victim(self) -> Request:
+        """The running request to preempt: least urgent, then latest arrived (then admitted)."""
+        if self.policy == "priority":
+            key = lambda i: (self.running[i].priority, self.running[i].arrival_time, i)
+        else:
+            key = lambda i: (self.running[i].arrival_time, i)
+        return self.running[max(range(len(self.running)), key=key)]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_on_workers(request)
+        self._add_waiting(request, front=True)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._forget_on_workers(request)
+        del self.requests[request.request_id]
+
+    def _forget_on_workers(self, request: Request) -> None:
+        if self._num_sent_tokens.pop(request.request_id, None) is not None:
+            self._finished_req_ids.add(request.request_id)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        self._num_sent_tokens[request.request_id] = request.num_tokens
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _cached_request_data(self, request: Request, new_block_ids: list[int]) -> CachedRequestData:
+        num_sent = self._num_sent_tokens[request.request_id]
+        self._num_sent_tokens[request.request_id] = request.num_tokens
+        return CachedRequestData(
+            req_id=request.request_id,
+            new_token_ids=request.all_token_ids[num_sent:],
+            new_block_ids=new_block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )

@@ -1,0 +1,1 @@
+"""What the engine reports about itself: metrics, the step profiler, hop tracing and GC-pause control."""

@@ -1,0 +1,1 @@
+"""CUDA-only tests (marked gpu; run on the GPU machine)."""

@@ -1,0 +1,1 @@
+"""Kernels against their torch references (Triton's interpreter on CPU)."""

@@ -1,0 +1,1 @@
+"""Ray Serve apps, the cluster layer and the monitoring stack."""

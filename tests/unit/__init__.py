@@ -1,0 +1,1 @@
+"""Fast tests of single modules: no model, no Ray."""
