@@ -1,8 +1,21 @@
-"""kvray's inference engine: paged KV cache, continuous batching, Llama-family models."""
+"""kvray's inference engine: paged KV cache, continuous batching, Llama-family models.
 
-from engine.llm_engine import LLM, LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
+The public names load on first use (PEP 562), so that importing a submodule such as
+`engine.api.protocol` (the HTTP ingress does) does not import torch.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+_PUBLIC = {
+    "LLM": "engine.llm_engine",
+    "LLMEngine": "engine.llm_engine",
+    "CompletionOutput": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "RequestOutputKind": "engine.sampling_params",
+    "SamplingParams": "engine.sampling_params",
+    "StructuredOutput": "engine.sampling_params",
+}
 
 __all__ = [
     "LLM",
@@ -13,3 +26,16 @@ __all__ = [
     "SamplingParams",
     "StructuredOutput",
 ]
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLM, LLMEngine
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
