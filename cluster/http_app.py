@@ -1,16 +1,10 @@
 """The ingress's HTTP application: a FastAPI app of every route, and in front of it a bare
 ASGI dispatcher that sends the two generation routes straight to their handler.
 
-Measured on the 2-core box (a Serve replica behind its own HTTP server, a 6 KB POST whose
-response streams, medians of 500 interleaved requests): the handler reached through
-FastAPI answered 0.75 ms later than the same handler called from a bare ASGI app (2.34
-against 1.60 ms; 0.3 ms later behind HAProxy). FastAPI's routing, its middleware stack
-and its per-request dependency machinery are that difference; the generation routes need
-none of them (they take the raw request and return a finished response), so they skip
-them. Every other route, and every other method on those paths, goes through FastAPI.
-On the H200 host the change did not show at concurrency 1 (Serve's added first-token time,
-paired with the in-process engine: +2.33 ms against +2.28 before, within the runs'
-spread): there the CPUs are quicker and the difference is CPU time a replica saves.
+Why: FastAPI's routing, its middleware stack and its per-request dependency machinery cost
+CPU time on every request (bench/RESULTS.md has the measurements), and the generation
+routes need none of them: they take the raw request and return a finished response. Every
+other route, and every other method on those paths, goes through FastAPI.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures, and

@@ -2,9 +2,9 @@
 
 Why: torch releases the GIL around every op, so an engine thread that shares a process
 with a busy event loop (hundreds of streams being formatted and sent) waits for the GIL
-after each of the dozens of ops in a step. Measured on the H200 through Ray Serve, 500
-streams at once: 100 ms per decode step against about 15 ms offline. In its own process
-the engine steps at full speed and the caller's loop only turns results into responses.
+after each of the dozens of ops in a step, and under load its steps run several times
+slower than offline (bench/RESULTS.md). In its own process the engine steps at full speed
+and the caller's loop only turns results into responses.
 
 Protocol. Parent -> child: core_loop ops, or None to stop. Child -> parent: ("ready",
 info) once, then ("results", ...) after every round that produced something and after

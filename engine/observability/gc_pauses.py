@@ -2,13 +2,13 @@
 
 Python's collector stops the process while it runs, and a full collection walks every
 object the process holds. After start-up that is torch, transformers, the model's code
-and, in a replica, Ray and Serve: 365,000 objects and 200 ms a full collection in an
-engine holding SmolLM2 (2-core box). Serving allocates enough for one every few tens of
-seconds, and each stalls every request's step or stream. `freeze_startup_heap` moves what
-start-up left out of the collector's reach (`gc.freeze`), so a later collection walks only
-what serving allocated since. It is for processes that serve until they exit, since
-anything frozen is never collected: the engine process and a parallel group's workers
-(Ray Serve freezes its replicas itself once their __init__ returns).
+and, in a replica, Ray and Serve: hundreds of thousands of objects (bench/RESULTS.md has
+the counts and pauses). Serving sets one off now and then, and each stalls every request's
+step or stream. `freeze_startup_heap` moves what start-up left out of the collector's reach
+(`gc.freeze`), so a later collection walks only what serving allocated since. It is for
+processes that serve until they exit, since anything frozen is never collected: the engine
+process and a parallel group's workers (Ray Serve freezes its replicas itself once their
+__init__ returns).
 """
 
 from __future__ import annotations
