@@ -77,56 +77,13 @@ def to_sampling_params(
     (the model's generation-config values) or else the engine's defaults. `tools`: what a
     chat's tools ask of the output; `reasoning`: with a reasoning parser, a structured
     output starts after the thought."""
-    room = max_model_len - prompt_len
-    if echo_only(request):
-        max_tokens = 1  # the prompt's logprobs come with the first generated token
-    elif max_tokens is None:
-        max_tokens = room
-    elif max_tokens < 1:
-        also = " (or 0 with echo=true)" if isinstance(request, CompletionRequest) else ""
-        raise APIError(
-            f"{max_tokens_field} must be >= 1{also}, got {max_tokens}", param=max_tokens_field
-        )
-    elif max_tokens > room:
-        raise APIError(
-            f"{max_tokens_field}={max_tokens} is too large: the prompt has {prompt_len} "
-            f"tokens and max_model_len is {max_model_len}, so at most {room} "
-            f"tokens can be generated",
-            param=max_tokens_field,
-            code="context_length_exceeded",
-        )
-    structured = _structured_output(request, tools)
-    blocking_eos = [
-        f
-        for f, on in (("min_tokens", request.min_tokens), ("ignore_eos", request.ignore_eos))
-        if on
-    ]
-    if blocking_eos and structured is not None:
-        if tools is not None and tools.structured_output is not None:
-            given = f"tool_choice {tools.choice!r}"
-        else:
-            given = structured_output_param(request, tools)
-        # A finished value allows only EOS, which these would block or pass over.
-        field = blocking_eos[0]
-        raise APIError(f"{field} cannot be combined with {given}", param=field)
+    max_tokens = _checked_max_tokens(
+        request, prompt_len, max_model_len, max_tokens, max_tokens_field
+    )
+    structured = _checked_structured_output(request, tools)
     if reasoning is not None:
         structured = reasoning.structured_output(structured)
-    optional = {
-        "n": request.n,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "top_k": request.top_k,
-        "min_p": request.min_p,
-        "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty,
-        "repetition_penalty": request.repetition_penalty,
-        "seed": request.seed,
-        "stop": request.stop,
-        "stop_token_ids": request.stop_token_ids,
-        "logit_bias": _logit_bias(request.logit_bias),
-        "allowed_token_ids": request.allowed_token_ids,
-        "structured_output": structured,
-    }
+    optional = _optional_fields(request, structured)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -147,6 +104,80 @@ def to_sampling_params(
     except ValueError as e:
         # SamplingParams names the field first: "temperature must be >= 0, got -1".
         raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def _checked_max_tokens(
+    request: CompletionRequest | ChatCompletionRequest,
+    prompt_len: int,
+    max_model_len: int,
+    max_tokens: int | None,
+    max_tokens_field: str,
+) -> int:
+    """The output's length in tokens, if the prompt leaves room for it."""
+    room = max_model_len - prompt_len
+    if echo_only(request):
+        return 1  # the prompt's logprobs come with the first generated token
+    if max_tokens is None:
+        return room
+    if max_tokens < 1:
+        also = " (or 0 with echo=true)" if isinstance(request, CompletionRequest) else ""
+        raise APIError(
+            f"{max_tokens_field} must be >= 1{also}, got {max_tokens}", param=max_tokens_field
+        )
+    if max_tokens > room:
+        raise APIError(
+            f"{max_tokens_field}={max_tokens} is too large: the prompt has {prompt_len} "
+            f"tokens and max_model_len is {max_model_len}, so at most {room} "
+            f"tokens can be generated",
+            param=max_tokens_field,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _checked_structured_output(
+    request: CompletionRequest | ChatCompletionRequest, tools: ToolUse | None
+) -> StructuredOutput | None:
+    """The request's structured output, if nothing else it asks for keeps the output from
+    finishing where the structure does."""
+    structured = _structured_output(request, tools)
+    blocking_eos = [
+        f
+        for f, on in (("min_tokens", request.min_tokens), ("ignore_eos", request.ignore_eos))
+        if on
+    ]
+    if blocking_eos and structured is not None:
+        if tools is not None and tools.structured_output is not None:
+            given = f"tool_choice {tools.choice!r}"
+        else:
+            given = structured_output_param(request, tools)
+        # A finished value allows only EOS, which these would block or pass over.
+        field = blocking_eos[0]
+        raise APIError(f"{field} cannot be combined with {given}", param=field)
+    return structured
+
+
+def _optional_fields(
+    request: CompletionRequest | ChatCompletionRequest, structured: StructuredOutput | None
+) -> dict[str, Any]:
+    """SamplingParams' fields a request may leave unset (None): those take the model's
+    defaults, or else the engine's."""
+    return {
+        "n": request.n,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "seed": request.seed,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "logit_bias": _logit_bias(request.logit_bias),
+        "allowed_token_ids": request.allowed_token_ids,
+        "structured_output": structured,
+    }
 
 
 def echo_only(request: CompletionRequest | ChatCompletionRequest) -> bool:

@@ -1046,7 +1046,7 @@ def test_long_prompts_tokenize_while_the_event_loop_streams_other_requests(token
             return after_the_loop_ran(super().encode("Count:"))
 
     monkeypatch.setattr(
-        "engine.api.serving.apply_chat_template",
+        "engine.api.served_model.apply_chat_template",
         lambda tok, messages, *flags: after_the_loop_ran(
             tok.encode("Count", add_special_tokens=False)
         ),
