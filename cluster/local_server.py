@@ -13,7 +13,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.app_config import AppConfig
 
 if TYPE_CHECKING:
-    from cluster.deployments import EngineHost
+    from cluster.engine_host import EngineHost
 
 
 class _LocalReplies:
