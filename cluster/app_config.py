@@ -34,6 +34,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    world_size,
 )
 from engine.tokenizer import ChatInputError, check_template_kwargs, load_chat_template
 from engine.worker.loader import served_names
@@ -454,6 +455,11 @@ class AppConfig(_AppConfigBase):
     def served_name(self) -> str:
         """The model's name in the API: the first of served_names."""
         return self.served_names[0]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica's engine (engine.config.world_size)."""
+        return world_size(self.tensor_parallel_size, self.pipeline_parallel_size)
 
     def model_configs(self) -> list[AppConfig]:
         """One single-model config per model served: the entries of `models` (each with the

@@ -81,7 +81,7 @@ def llm_server_options(config: AppConfig) -> dict[str, Any]:
     share a small machine.
     """
     cuda = config.device == "cuda"
-    world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+    world_size = config.world_size
     num_cpus = config.num_cpus if config.num_cpus is not None else (1.0 if cuda else 0.25)
     bundle = {"CPU": num_cpus, "GPU": 1.0} if cuda else {"CPU": num_cpus}
     max_ongoing = config.resolved_max_ongoing_requests()

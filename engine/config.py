@@ -113,7 +113,13 @@ class ParallelConfig(_Frozen):
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return world_size(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+
+def world_size(tensor_parallel_size: int | None, pipeline_parallel_size: int | None) -> int:
+    """Ranks of one engine: tensor_parallel_size x pipeline_parallel_size (None counts as 1,
+    as in engine arguments that leave a size out)."""
+    return (tensor_parallel_size or 1) * (pipeline_parallel_size or 1)
 
 
 class EngineConfig(_Frozen):
