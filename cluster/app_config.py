@@ -277,6 +277,11 @@ def _engine_fields() -> dict[str, Any]:
             "serving; 0: up to max_num_batched_tokens",
         ),
     )
+    # The engine takes an executor class; the app names its own: "ray", the Ray actor group.
+    fields["distributed_executor_backend"] = (
+        Literal["uni", "ray"] | None,
+        Field(default=None, description='None: "uni" for one rank, "ray" for more'),
+    )
     fields["policy"] = (Literal["fcfs", "priority"], Field(default="priority"))
     fields["device"] = (Literal["cpu", "cuda"] | None, Field(default=None))
     fields["enforce_eager"] = (bool, Field(default=False))

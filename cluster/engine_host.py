@@ -35,9 +35,19 @@ def make_engine(config: AppConfig) -> Any:
     """
     from engine.async_engine import AsyncEngine
 
-    return AsyncEngine.from_engine_args(
-        engine_process=config.engine_process, **config.engine_args()
-    )
+    return AsyncEngine.from_engine_args(engine_process=config.engine_process, **engine_args(config))
+
+
+def engine_args(config: AppConfig) -> dict[str, Any]:
+    """The config's engine arguments, the Ray actor group passed down as the executor of
+    several ranks (or of one, where distributed_executor_backend asks for "ray")."""
+    args = config.engine_args()
+    backend = args.get("distributed_executor_backend")
+    if backend == "ray" or (backend is None and config.world_size > 1):
+        from cluster.executor import RayActorGroupExecutor
+
+        args["distributed_executor_backend"] = RayActorGroupExecutor
+    return args
 
 
 class EngineHost:

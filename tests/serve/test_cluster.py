@@ -28,9 +28,15 @@ ARGS = dict(max_model_len=128, num_gpu_blocks=64, block_size=4)
 DRIVER = """
 import json, sys
 import ray
+from cluster.executor import RayActorGroupExecutor
 from engine import LLM, SamplingParams
 ray.init(logging_level="ERROR")
-llm = LLM(sys.argv[1], pipeline_parallel_size=2, **json.loads(sys.argv[2]))
+llm = LLM(
+    sys.argv[1],
+    pipeline_parallel_size=2,
+    distributed_executor_backend=RayActorGroupExecutor,
+    **json.loads(sys.argv[2]),
+)
 params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 outputs = llm.generate(json.loads(sys.argv[3]), params)
 executor = llm.engine.executor
