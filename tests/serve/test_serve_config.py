@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.app_config import ENGINE_KEYS, AppConfig, TenantConfig, load_app_config
+from cluster.app_config import ENGINE_KEYS, AppConfig, load_app_config
 from cluster.cli import build_parser, parse_serve_args
 from cluster.deployments import build_openai_app, llm_server_options
 from cluster.engine_host import engine_args
 from cluster.executor import RayActorGroupExecutor
 from cluster.local_server import colocated_capacity
-from cluster.tenants import TenantLimiter, TenantResolver
+from cluster.tenants import TenantConfig, TenantLimiter, TenantResolver
 from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV, node_env
 from engine.api.errors import APIError
 from engine.config import (
