@@ -26,6 +26,7 @@ from pydantic import (
 
 from cluster.serve_options import (
     PER_MODEL_SERVE_KEYS,
+    QUEUED_PER_ONGOING_REQUEST,
     REPLICA_REQUESTS_MAX,
     ServeOptions,
     json_text,
@@ -38,6 +39,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    max_default_num_seqs,
     world_size,
 )
 from engine.worker.loader import served_names
@@ -140,14 +142,15 @@ class AppConfig(_AppConfigBase):
         if self.models is not None:
             return self  # each entry is checked on its own
         # Before the device is known, the larger default (a GPU's).
-        ongoing = self.resolved_max_ongoing_requests(self.device or "cuda")
+        device = self.device or "cuda"
+        ongoing = self.resolved_max_ongoing_requests(device)
         ongoing_key = "max_ongoing_requests"
         if self.max_ongoing_requests is None and self.max_num_seqs is not None:
             ongoing_key = "max_num_seqs"
-        queued = self.max_queued_requests
-        if queued is None:
-            queued = 4 * ongoing
-            held = f"max_queued_requests (default: 4 x {ongoing_key} = {queued})"
+        queued = self.resolved_max_queued_requests(device)
+        if self.max_queued_requests is None:
+            per = QUEUED_PER_ONGOING_REQUEST
+            held = f"max_queued_requests (default: {per} x {ongoing_key} = {queued})"
         else:
             held = f"max_queued_requests ({queued})"
         held = f"{ongoing_key} ({ongoing}) + {held}"
@@ -264,9 +267,15 @@ class AppConfig(_AppConfigBase):
             return self.max_ongoing_requests
         if self.max_num_seqs is not None:
             return self.max_num_seqs
-        # The engine's own default on a large GPU; on a smaller one (256 sequences) the rest
-        # wait in the engine's queue, as they would in vLLM's server.
-        return 1024 if (device or self.device) == "cuda" else 256
+        # The replica's GPU is not known here: the engine's default on the largest GPU. On a
+        # smaller one the engine runs fewer and the rest wait in its queue, as in vLLM's server.
+        return max_default_num_seqs(device or self.device)
+
+    def resolved_max_queued_requests(self, device: str | None = None) -> int:
+        """Serve's max_queued_requests on `device` (default: the config's)."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return QUEUED_PER_ONGOING_REQUEST * self.resolved_max_ongoing_requests(device)
 
     def tenant(self, name: str) -> TenantConfig:
         return self.tenants.get(name) or TenantConfig()

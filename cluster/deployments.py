@@ -97,11 +97,10 @@ def llm_server_options(config: AppConfig) -> dict[str, Any]:
         autoscaling["initial_replicas"] = config.initial_replicas
     if config.metrics_interval_s is not None:
         autoscaling["metrics_interval_s"] = config.metrics_interval_s
-    max_queued = config.max_queued_requests
     return {
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": max_ongoing,
-        "max_queued_requests": 4 * max_ongoing if max_queued is None else max_queued,
+        "max_queued_requests": config.resolved_max_queued_requests(),
         "ray_actor_options": {
             "num_cpus": num_cpus,
             # With one rank the engine runs in the replica and needs the GPU itself.

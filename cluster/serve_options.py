@@ -17,6 +17,9 @@ SERVE_INT_MAX = 2**31 - 1
 """Serve holds replica counts and request bounds as 32-bit ints: past this serve.run fails
 with a message that names no key."""
 
+QUEUED_PER_ONGOING_REQUEST = 4
+"""max_queued_requests when not given: this many waiting per request a replica runs."""
+
 REPLICA_REQUESTS_MAX = 2**30
 """The most requests one LLMServer replica may hold, running and queued; below
 SERVE_INT_MAX so that a colocated replica's Serve bound, a little above it, fits too."""
@@ -42,7 +45,8 @@ class ServeOptions(BaseModel):
     """Requests one replica takes at once; default: max_num_seqs if given, else 1024 with
     GPUs (the engine's default on a 70 GiB+ card) and 256 without."""
     max_queued_requests: int | None = Field(default=None, ge=0, le=SERVE_INT_MAX)
-    """Requests waiting for a replica; more get 429. Default: 4 x max_ongoing_requests."""
+    """Requests waiting for a replica; more get 429. Default: 4 x max_ongoing_requests
+    (QUEUED_PER_ONGOING_REQUEST)."""
     upscale_delay_s: float = Field(default=30.0, ge=0)
     downscale_delay_s: float = Field(default=600.0, ge=0)
     look_back_period_s: float = Field(default=30.0, gt=0)

@@ -260,9 +260,19 @@ def default_batch_limits(
     (a smaller step keeps the decodes that share it quick); anything else 256 and 8,192.
     `gpu` is (total memory in bytes, device name), None without one.
     """
-    if gpu is not None and gpu[0] >= 70 * 2**30 and "a100" not in gpu[1].lower():
+    if gpu is not None and gpu[0] >= LARGE_GPU_BYTES and "a100" not in gpu[1].lower():
         return 1024, 16384 if usage_context == "offline" else 8192
     return 256, 8192
+
+
+LARGE_GPU_BYTES = 70 * 2**30
+
+
+def max_default_num_seqs(device: str | None) -> int:
+    """The most sequences `default_batch_limits` lets an engine on `device` run: on CUDA a
+    large GPU's. For bounds set before the engine's GPU is known (a Serve replica's)."""
+    gpu = (LARGE_GPU_BYTES, "any large GPU") if device == "cuda" else None
+    return default_batch_limits(gpu, "server")[0]
 
 
 def _gpu_memory_and_name(device: str) -> tuple[int, str] | None:

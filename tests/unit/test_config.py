@@ -7,7 +7,12 @@ import pickle
 import pytest
 
 import engine.config
-from engine.config import SERVER_PREFILL_TOKENS_WITH_DECODES, EngineConfig, default_batch_limits
+from engine.config import (
+    SERVER_PREFILL_TOKENS_WITH_DECODES,
+    EngineConfig,
+    default_batch_limits,
+    max_default_num_seqs,
+)
 from engine.executor import Executor, UniProcExecutor, get_executor_class
 
 GIB = 2**30
@@ -27,6 +32,12 @@ GIB = 2**30
 )
 def test_batch_defaults_follow_vllms_for_the_gpu(gpu, usage, want):
     assert default_batch_limits(gpu, usage) == want
+
+
+def test_a_bound_set_before_the_gpu_is_known_takes_the_largest_default():
+    # A Serve replica's max_ongoing_requests: the deployment is built before its GPU is seen.
+    assert max_default_num_seqs("cuda") == default_batch_limits((141 * GIB, "H200"), "server")[0]
+    assert max_default_num_seqs("cpu") == max_default_num_seqs(None) == 256
 
 
 def test_create_resolves_batch_defaults_for_the_device_and_keeps_given_values(monkeypatch):
