@@ -42,7 +42,6 @@ from engine.config import (
     max_default_num_seqs,
     world_size,
 )
-from engine.worker.loader import served_names
 
 # ModelConfig comes first: its max_model_len default (None = the model's own) wins.
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
@@ -228,6 +227,8 @@ class AppConfig(_AppConfigBase):
     def served_names(self) -> list[str]:
         """Every name a request's `model` may give this model; the first is the one
         responses carry (and metrics label)."""
+        from engine.worker.loader import served_names  # loads torch: not for --help
+
         return served_names(self.served_model_name, self.model, self.load_format)
 
     @property

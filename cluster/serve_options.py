@@ -11,7 +11,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.tenants import TenantConfig
-from engine.tokenizer import ChatInputError, check_template_kwargs, load_chat_template
 
 SERVE_INT_MAX = 2**31 - 1
 """Serve holds replica counts and request bounds as 32-bit ints: past this serve.run fails
@@ -45,8 +44,7 @@ class ServeOptions(BaseModel):
     """Requests one replica takes at once; default: max_num_seqs if given, else 1024 with
     GPUs (the engine's default on a 70 GiB+ card) and 256 without."""
     max_queued_requests: int | None = Field(default=None, ge=0, le=SERVE_INT_MAX)
-    """Requests waiting for a replica; more get 429. Default: 4 x max_ongoing_requests
-    (QUEUED_PER_ONGOING_REQUEST)."""
+    """Requests waiting for a replica; more get 429. Default: 4 x max_ongoing_requests."""
     upscale_delay_s: float = Field(default=30.0, ge=0)
     downscale_delay_s: float = Field(default=600.0, ge=0)
     look_back_period_s: float = Field(default=30.0, gt=0)
@@ -151,11 +149,17 @@ class ServeOptions(BaseModel):
     @classmethod
     def _template_text(cls, value: str | None) -> str | None:
         # The text travels in the config: replicas on other nodes may not have the file.
-        return None if value is None else load_chat_template(value, "chat_template")
+        if value is None:
+            return None
+        from engine.tokenizer import load_chat_template  # loads transformers: not for --help
+
+        return load_chat_template(value, "chat_template")
 
     @field_validator("default_chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from engine.tokenizer import ChatInputError, check_template_kwargs
+
         try:
             return check_template_kwargs(value, "default_chat_template_kwargs")
         except ChatInputError as e:

@@ -1,21 +1,22 @@
 """Frozen engine configs, named after vLLM's engine arguments.
 
 "auto" values are resolved once in `EngineConfig.create()` before freezing; nothing
-mutates a config afterwards.
+mutates a config afterwards. Importing this module loads no torch (the Serve app's keys
+and `kvray serve --help` are built from these classes): torch loads where a value needs it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.generation_config import check_setting
 
-DType = Literal["auto", "float32", "bfloat16", "float16"]
+if TYPE_CHECKING:
+    import torch
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class _Frozen(BaseModel):
@@ -56,7 +57,9 @@ class ModelConfig(_Frozen):
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             raise ValueError("dtype is still 'auto': use EngineConfig.create() to resolve it")
-        return _TORCH_DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
 def served_name_list(value: str | list[str] | None) -> list[str]:
@@ -244,7 +247,10 @@ RUNNER_ARGS = ("device", "enforce_eager", "prefill_cuda_graph_tokens")
 
 def resolve_device(device: str | None) -> str:
     """The engine's device: as given, else cuda when torch sees a GPU, else cpu."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return device
@@ -276,7 +282,11 @@ def max_default_num_seqs(device: str | None) -> int:
 
 
 def _gpu_memory_and_name(device: str) -> tuple[int, str] | None:
-    if device != "cuda" or not torch.cuda.is_available():
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return props.total_memory, props.name
@@ -286,7 +296,7 @@ def _resolve_dtype(hf_config: Any, device: str) -> str:
     if device == "cpu":
         return "float32"
     name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(name, torch.dtype):
+    if name is not None and not isinstance(name, str):  # a torch.dtype
         name = str(name).removeprefix("torch.")
     if name in ("bfloat16", "float16"):
         return name
