@@ -59,7 +59,7 @@ class ServeOptions(BaseModel):
     ingress_num_cpus: float = Field(default=0.25, ge=0)
     colocate_ingress: bool = False
     """Serve HTTP from the engine replicas themselves (one deployment, `OpenAIIngress`
-    holding the engine): two Ray calls less per request (about 4 ms of time to first token),
+    holding the engine): two Ray calls less per request (a quicker first token),
     but the ingress scales with the engine replicas and the ingress_* keys are unused."""
     api_keys: dict[str, str] = Field(default_factory=dict)
     """API key -> tenant name. When set, requests need `Authorization: Bearer <key>` (401 without)."""

@@ -146,10 +146,9 @@ class EngineConfig(_Frozen):
     """Steps with prefills of up to this many tokens (at most max_num_batched_tokens) replay
     CUDA graphs split at attention (engine/worker/piecewise_graphs.py); 0: they run eagerly, the
     default with tensor_parallel_size > 1 (not yet run on GPUs there).
-    Decode-only steps always replay whole-forward graphs unless enforce_eager. Measured for
-    llama3-8b on an H200 (bench/RESULTS.md): an 8-token first token 18.1 -> 5.7 ms, 256
-    tokens 16.7 -> 8.2 ms, equal from 1,024 tokens on, where the GPU outlasts the launches;
-    capturing up to 2,048 tokens adds about 6 s to start-up."""
+    Decode-only steps always replay whole-forward graphs unless enforce_eager. A short
+    prefill's step is bound by its kernel launches, which the graphs take away (figures:
+    bench/RESULTS.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -235,11 +234,9 @@ class EngineConfig(_Frozen):
 UsageContext = Literal["offline", "server"]
 
 SERVER_PREFILL_TOKENS_WITH_DECODES = 1024
-"""A server's max_prefill_tokens_with_decodes when not given. On an H200 with llama3-8b
-shapes (bench/RESULTS.md, 1,024-token prompts): at Poisson 16 req/s ITL p99 28.8 / 28.4 ms
-against 31.2 / 28.7 without it, TTFT p99 103.9 / 98.6 against 107.6 / 109.2; at
-concurrency 32 ITL p99 ~30 against ~150. 512 halves ITL p99 again (17 ms) but costs TTFT
-p99 20-30 ms."""
+"""A server's max_prefill_tokens_with_decodes when not given: one long prompt a step keeps
+the running streams' token gaps short, where a smaller cap would make each prompt wait a
+step more for its first token (figures: bench/RESULTS.md)."""
 
 RUNNER_ARGS = ("device", "enforce_eager", "prefill_cuda_graph_tokens")
 """Engine arguments that are EngineConfig's own fields (the rest belong to its parts)."""
