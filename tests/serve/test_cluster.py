@@ -153,7 +153,7 @@ def test_a_tensor_parallel_group_on_one_node_sees_its_own_gpus_only():
 
 
 def test_kvray_switches_reach_the_workers_of_a_group(monkeypatch):
-    from cluster.executor import worker_runtime_env
+    from cluster.ray_worker import worker_runtime_env
 
     for name in ("KVRAY_PROFILE_STEPS", "KVRAY_NCCL_ONLY", "KVRAY_TORCH_KERNELS"):
         monkeypatch.delenv(name, raising=False)
