@@ -21,6 +21,7 @@ from cluster.app_config import AppConfig, llm_server_name
 from cluster.engine_host import LLMServer
 from cluster.ingress import OpenAIIngress
 from cluster.local_server import colocated_capacity
+from cluster.placement import placement_strategy, rank_bundles, replica_cpus_per_rank
 from cluster.tenants import TenantLimiter
 from cluster.topology import SERVE_FAST_PATH_ENV
 
@@ -76,14 +77,12 @@ def _replica_env() -> dict[str, Any]:
 def llm_server_options(config: AppConfig) -> dict[str, Any]:
     """Deployment options of `LLMServer`: autoscaling, queue bounds and placement.
 
-    One placement-group bundle per rank (tensor_parallel_size x pipeline_parallel_size);
-    the replica itself runs in bundle 0. Ray's fractional CPUs let several CPU replicas
-    share a small machine.
+    One placement-group bundle per rank (cluster/placement.py); the replica itself runs
+    in bundle 0 and takes its CPUs.
     """
     cuda = config.device == "cuda"
     world_size = config.world_size
-    num_cpus = config.num_cpus if config.num_cpus is not None else (1.0 if cuda else 0.25)
-    bundle = {"CPU": num_cpus, "GPU": 1.0} if cuda else {"CPU": num_cpus}
+    num_cpus = replica_cpus_per_rank(config.device, config.num_cpus)
     max_ongoing = config.resolved_max_ongoing_requests()
     autoscaling: dict[str, Any] = {
         "min_replicas": config.min_replicas,
@@ -107,8 +106,8 @@ def llm_server_options(config: AppConfig) -> dict[str, Any]:
             "num_gpus": 1.0 if cuda and world_size == 1 else 0.0,
             "runtime_env": _replica_env(),
         },
-        "placement_group_bundles": [bundle] * world_size,
-        "placement_group_strategy": "STRICT_PACK" if config.pipeline_parallel_size == 1 else "PACK",
+        "placement_group_bundles": rank_bundles(world_size, config.device, num_cpus),
+        "placement_group_strategy": placement_strategy(config.pipeline_parallel_size),
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
     }

@@ -96,7 +96,7 @@ class RayActorGroupExecutor(Executor):
 
     def _start_workers(self) -> None:
         cuda = self.config.device == "cuda"
-        self.placement = place_ranks(self.world_size, self.config.device)
+        self.placement = place_ranks(self.world_size, self.pp_size, self.config.device)
         for rank, bundle in enumerate(self.placement.bundles):
             # The bundle reserves the resources; the actor claims only the GPU, so it also
             # fits in bundle 0 beside a Serve replica that holds that bundle's CPUs.
