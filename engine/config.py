@@ -253,6 +253,10 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+LARGE_GPU_BYTES = 70 * 2**30
+"""GPU memory from which the engine runs vLLM's larger batch defaults."""
+
+
 def default_batch_limits(
     gpu: tuple[int, str] | None, usage_context: UsageContext
 ) -> tuple[int, int]:
@@ -266,9 +270,6 @@ def default_batch_limits(
     if gpu is not None and gpu[0] >= LARGE_GPU_BYTES and "a100" not in gpu[1].lower():
         return 1024, 16384 if usage_context == "offline" else 8192
     return 256, 8192
-
-
-LARGE_GPU_BYTES = 70 * 2**30
 
 
 def max_default_num_seqs(device: str | None) -> int:
