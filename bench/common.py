@@ -69,8 +69,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     if args.model_shape:
         kwargs["load_format"] = "dummy"
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        from cluster.executor import RayActorGroupExecutor
+
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+        kwargs["distributed_executor_backend"] = RayActorGroupExecutor
     return kwargs
 
 

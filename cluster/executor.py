@@ -1,4 +1,5 @@
-"""RayActorGroupExecutor: one `Worker` actor per rank, placed in the replica's placement group.
+"""RayActorGroupExecutor: one `RayWorker` actor per rank (cluster/ray_worker.py), placed in
+the replica's placement group.
 
 Ranks follow engine.distributed: rank = pp_rank * tp_size + tp_rank, bundle index = rank.
 Every step the scheduler output goes to every rank; all ranks run their part of the model
@@ -14,25 +15,20 @@ polling takes the cores the ranks compute on.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import Future
 from typing import Any
 
 import ray
-import torch
 from ray.exceptions import RayActorError, RayChannelError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.placement import RankPlacement, place_ranks
-from cluster.topology import free_port
+from cluster.ray_worker import RayWorker, worker_runtime_env
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.distributed import check_parallel_sizes, destroy_distributed, init_distributed
+from engine.distributed import check_parallel_sizes
 from engine.executor import Executor
-from engine.observability.gc_pauses import freeze_startup_heap
 from engine.worker.loader import ModelSource
-from engine.worker.model_runner import PendingRunnerOutput
-from engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -40,121 +36,8 @@ HEALTH_TIMEOUT_S = 10.0
 INIT_TIMEOUT_S = 600.0
 
 
-FORWARDED_ENV = ("KVRAY_PROFILE_STEPS", "KVRAY_NCCL_ONLY", "KVRAY_TORCH_KERNELS")
-"""kvray's switches that reach the workers from the process that starts them, also on a
-cluster whose raylets were started without them."""
-
-
-def worker_runtime_env() -> dict[str, Any] | None:
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    return {"env_vars": env} if env else None
-
-
 class WorkerDiedError(RuntimeError):
     """A rank of the actor group is gone; the group cannot run another step."""
-
-
-@ray.remote(concurrency_groups={"health": 1})
-class RayWorker:
-    """Hosts one rank's `engine.worker.worker.Worker` in its own process."""
-
-    def __init__(self, num_threads: int):
-        os.environ["OMP_NUM_THREADS"] = str(num_threads)
-        torch.set_num_threads(num_threads)
-        self.worker: Worker | None = None
-        self._in_flight: PendingRunnerOutput | _FailedLaunch | None = None
-
-    def node_info(self) -> dict[str, Any]:
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        }
-
-    def free_port(self) -> int:
-        return free_port()
-
-    def init_worker(
-        self,
-        config: EngineConfig,
-        hf_config: Any,
-        source: ModelSource,
-        rank: int,
-        init_method: str,
-        group_devices: str | None = None,
-    ) -> None:
-        """`group_devices`: the CUDA_VISIBLE_DEVICES of this rank's whole tensor-parallel
-        group when it shares one node, so that the ranks can map each other's memory for
-        the peer-memory all-reduce; the rank's own GPU is the group's entry at its
-        tensor-parallel rank. None keeps the one GPU Ray gave the actor."""
-        parallel = config.parallel_config
-        local_rank = 0
-        if group_devices is not None and not torch.cuda.is_initialized():
-            os.environ["CUDA_VISIBLE_DEVICES"] = group_devices
-            # A device count read before this line keeps CUDA on the actor's one GPU.
-            if torch.cuda.device_count() == len(group_devices.split(",")):
-                local_rank = rank % parallel.tensor_parallel_size
-        backend = "nccl" if config.device == "cuda" else "gloo"
-        init_distributed(
-            parallel.tensor_parallel_size,
-            parallel.pipeline_parallel_size,
-            rank,
-            backend=backend,
-            init_method=init_method,
-        )
-        self.worker = Worker(config, hf_config, source, rank=rank, local_rank=local_rank)
-        self.worker.load_model()
-
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput | None) -> ModelRunnerOutput | None:
-        """Launch this step, then answer with the output of the step launched by the call
-        before (None for none). The next step is on the device before this rank waits for
-        the last one, so the device does not idle while the host prepares a step.
-        `scheduler_output` None launches nothing: it only collects the last step."""
-        previous, self._in_flight = self._in_flight, None
-        if scheduler_output is not None:
-            try:
-                self._in_flight = self.worker.execute_model_async(scheduler_output)
-            except Exception as e:
-                # Raised with the call that collects this step, not the one before.
-                self._in_flight = _FailedLaunch(e)
-        if previous is None:
-            return None
-        output = previous.result()
-        return output if self.worker.runner.is_driver else None
-
-    def weight_bytes(self) -> int:
-        return self.worker.weight_bytes()
-
-    # The compiled graph's loop holds the default group once steps have run.
-    @ray.method(concurrency_group="health")
-    def warn_of_late_kernel_variants(self) -> None:
-        self.worker.warn_of_late_kernel_variants()
-
-    @ray.method(concurrency_group="health")
-    def freeze_startup_heap(self) -> None:
-        freeze_startup_heap()
-
-    @ray.method(concurrency_group="health")
-    def ping(self) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        destroy_distributed()
-
-
-class _FailedLaunch:
-    def __init__(self, error: Exception):
-        self.error = error
-
-    def result(self) -> ModelRunnerOutput:
-        raise self.error
 
 
 class _PendingStep(Future):
@@ -213,7 +96,7 @@ class RayActorGroupExecutor(Executor):
 
     def _start_workers(self) -> None:
         cuda = self.config.device == "cuda"
-        self.placement = place_ranks(self.world_size, self.config.device)
+        self.placement = place_ranks(self.world_size, self.pp_size, self.config.device)
         for rank, bundle in enumerate(self.placement.bundles):
             # The bundle reserves the resources; the actor claims only the GPU, so it also
             # fits in bundle 0 beside a Serve replica that holds that bundle's CPUs.

@@ -13,7 +13,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.app_config import AppConfig
 
 if TYPE_CHECKING:
-    from cluster.deployments import EngineHost
+    from cluster.engine_host import EngineHost
 
 
 class _LocalReplies:
@@ -71,9 +71,7 @@ async def _ready(value: Any) -> Any:
 
 def colocated_capacity(config: AppConfig) -> int:
     """Requests one colocated replica holds (running or waiting) before it answers 429."""
-    max_ongoing = config.resolved_max_ongoing_requests()
-    max_queued = config.max_queued_requests
-    return max_ongoing + (4 * max_ongoing if max_queued is None else max_queued)
+    return config.resolved_max_ongoing_requests() + config.resolved_max_queued_requests()
 
 
 class LocalServer:

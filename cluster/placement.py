@@ -1,10 +1,11 @@
-"""Where a replica's ranks run: one placement-group bundle per rank.
+"""Where an engine's ranks run: one placement-group bundle per rank, bundle index = rank.
 
-Inside a Serve replica the group already exists (Serve made it from the deployment's
-`placement_group_bundles`); an offline `LLM` makes its own. A group that fits on one node
-is packed there strictly (tensor-parallel collectives stay on one host); a larger one is
-packed as tightly as the cluster allows, spanning nodes (pipeline stages cross the network
-once per step, tensor-parallel ranks every layer).
+The one owner of the bundles and the strategy. Inside a Serve replica the group already
+exists (Serve made it from the deployment's options, cluster/deployments.py, which ask
+here); an offline engine makes its own (`place_ranks`). A group of one pipeline stage is
+packed strictly on one node (its tensor-parallel ranks all-reduce every layer); a group of
+several stages is packed as tightly as the cluster allows and may span nodes (the
+stage-to-stage hand-off crosses the network once a step).
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from ray.util.placement_group import (
 )
 
 PLACEMENT_TIMEOUT_S = 120.0
+
+GPU_RANK_CPUS = 1.0
+"""CPUs a GPU rank's bundle holds beside its GPU."""
+
+REPLICA_CPU_RANK_CPUS = 0.25
+"""A Serve replica's CPUs per rank without GPUs: a fraction, so that several CPU replicas
+share a small machine."""
 
 
 @dataclass
@@ -52,8 +60,8 @@ class RankPlacement:
 
 
 def cpu_share(world_size: int) -> float:
-    """CPUs per rank of a CPU-only group: an equal share of the cluster's free CPUs, at
-    most 1, so a group of more ranks than cores still fits (tests, laptops)."""
+    """CPUs per rank of an offline CPU-only group: an equal share of the cluster's free
+    CPUs, at most 1, so a group of more ranks than cores still fits (tests, laptops)."""
     free = ray.available_resources().get("CPU", 0.0)
     share = min(1.0, free / world_size)
     # Ray accounts resources in units of 1e-4; round down so the bundles sum to <= free.
@@ -66,32 +74,26 @@ def cpu_share(world_size: int) -> float:
     return share
 
 
-def rank_bundles(world_size: int, device: str) -> list[dict[str, float]]:
-    if device == "cuda":
-        return [{"GPU": 1.0, "CPU": 1.0}] * world_size
-    return [{"CPU": cpu_share(world_size)}] * world_size
+def replica_cpus_per_rank(device: str, num_cpus: float | None) -> float:
+    """A Serve replica's CPUs per rank: `num_cpus` if given, else GPU_RANK_CPUS beside each
+    GPU and REPLICA_CPU_RANK_CPUS without one. Fixed when the app is built, before the
+    cluster's nodes are known (an autoscaling cluster may have none yet)."""
+    if num_cpus is not None:
+        return num_cpus
+    return GPU_RANK_CPUS if device == "cuda" else REPLICA_CPU_RANK_CPUS
 
 
-def fits_one_node(bundles: list[dict[str, float]]) -> bool:
-    """Whether some alive node has, in total, every resource the bundles ask for together."""
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for key, value in bundle.items():
-            need[key] = need.get(key, 0.0) + value
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        have = node.get("Resources", {})
-        if all(have.get(key, 0.0) + 1e-6 >= value for key, value in need.items()):
-            return True
-    return False
+def rank_bundles(world_size: int, device: str, cpus_per_rank: float) -> list[dict[str, float]]:
+    """One bundle per rank: a GPU and `cpus_per_rank` CPUs on CUDA, the CPUs alone without."""
+    bundle = {"CPU": cpus_per_rank, "GPU": 1.0} if device == "cuda" else {"CPU": cpus_per_rank}
+    return [dict(bundle) for _ in range(world_size)]
 
 
-def placement_strategy(bundles: list[dict[str, float]]) -> str:
-    return "STRICT_PACK" if fits_one_node(bundles) else "PACK"
+def placement_strategy(pipeline_parallel_size: int) -> str:
+    return "STRICT_PACK" if pipeline_parallel_size == 1 else "PACK"
 
 
-def place_ranks(world_size: int, device: str) -> RankPlacement:
+def place_ranks(world_size: int, pipeline_parallel_size: int, device: str) -> RankPlacement:
     """The current placement group (inside a Serve replica) or a new one of world_size bundles."""
     current = get_current_placement_group()
     if current is not None:
@@ -104,13 +106,15 @@ def place_ranks(world_size: int, device: str) -> RankPlacement:
         if device == "cuda" and any(b.get("GPU", 0) < 1 for b in bundles[:world_size]):
             raise ValueError("every placement-group bundle needs {'GPU': 1} to run on CUDA")
         return RankPlacement(current, bundles[:world_size], owned=False)
-    bundles = rank_bundles(world_size, device)
-    group = placement_group(bundles, strategy=placement_strategy(bundles), name="")
+    cpus = GPU_RANK_CPUS if device == "cuda" else cpu_share(world_size)
+    bundles = rank_bundles(world_size, device, cpus)
+    strategy = placement_strategy(pipeline_parallel_size)
+    group = placement_group(bundles, strategy=strategy, name="")
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         remove_placement_group(group)
         raise RuntimeError(
-            f"the Ray cluster could not place {world_size} ranks of {bundles[0]} within "
-            f"{PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})"
+            f"the Ray cluster could not place {world_size} ranks of {bundles[0]} ({strategy}) "
+            f"within {PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})"
         )
     return RankPlacement(group, bundles, owned=True)

@@ -1,4 +1,5 @@
-"""Who sent a request (API key or X-Tenant-Id), and whether that tenant may send another.
+"""Who sent a request (API key or X-Tenant-Id), what that tenant may do (`TenantConfig`,
+the app's `tenants` key), and whether it may send another.
 
 `TenantLimiter` is plain Python so it can be tested alone; the app runs one copy of it as
 a single-replica Serve deployment, so every ingress replica counts against the same limits.
@@ -12,13 +13,39 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from cluster.app_config import TenantConfig
+from pydantic import BaseModel, ConfigDict, Field
+
 from engine.api.errors import APIError
 
 DEFAULT_TENANT = "default"
 TENANT_HEADER = "x-tenant-id"
 WINDOW_S = 60.0
 LEASE_GRACE_S = 60.0
+
+
+class TenantConfig(BaseModel):
+    """One tenant's limits, priority, cache salt and time limit."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    max_concurrent_requests: int | None = Field(default=None, gt=0)
+    """Requests of this tenant in flight at once; more get 429."""
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+    """Prompt + completion tokens over the last 60 s; past it requests get 429."""
+    priority: int = 0
+    """Scheduling priority (lower runs first); a request may ask for a later one, not an earlier one."""
+    cache_salt: str | None = None
+    """Prefix-cache salt; default: the tenant's name, so tenants never share cached blocks."""
+    request_timeout_s: float | None = Field(default=None, gt=0)
+    """Overrides the app's request_timeout_s for this tenant."""
+
+    @property
+    def has_limits(self) -> bool:
+        return self.max_concurrent_requests is not None or self.tokens_per_minute is not None
+
+    def time_limit_s(self, app_request_timeout_s: float | None) -> float | None:
+        """This tenant's request time limit: its own request_timeout_s, else the app's."""
+        return self.request_timeout_s or app_request_timeout_s
 
 
 @dataclass(frozen=True)

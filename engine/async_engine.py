@@ -470,8 +470,9 @@ class AsyncEngine:
 
 
 def _one_gpu(engine_args: dict) -> bool:
-    from engine.config import resolve_device
+    from engine.config import resolve_device, world_size
 
-    tp = engine_args.get("tensor_parallel_size") or 1
-    world = tp * (engine_args.get("pipeline_parallel_size") or 1)
-    return world == 1 and resolve_device(engine_args.get("device")) == "cuda"
+    ranks = world_size(
+        engine_args.get("tensor_parallel_size"), engine_args.get("pipeline_parallel_size")
+    )
+    return ranks == 1 and resolve_device(engine_args.get("device")) == "cuda"

@@ -1,21 +1,22 @@
 """Frozen engine configs, named after vLLM's engine arguments.
 
 "auto" values are resolved once in `EngineConfig.create()` before freezing; nothing
-mutates a config afterwards.
+mutates a config afterwards. Importing this module loads no torch (the Serve app's keys
+and `kvray serve --help` are built from these classes): torch loads where a value needs it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.generation_config import check_setting
 
-DType = Literal["auto", "float32", "bfloat16", "float16"]
+if TYPE_CHECKING:
+    import torch
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class _Frozen(BaseModel):
@@ -56,7 +57,9 @@ class ModelConfig(_Frozen):
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             raise ValueError("dtype is still 'auto': use EngineConfig.create() to resolve it")
-        return _TORCH_DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
 def served_name_list(value: str | list[str] | None) -> list[str]:
@@ -104,8 +107,11 @@ class SchedulerConfig(_Frozen):
 class ParallelConfig(_Frozen):
     tensor_parallel_size: int = Field(default=1, gt=0)
     pipeline_parallel_size: int = Field(default=1, gt=0)
-    distributed_executor_backend: Literal["uni", "ray"] | None = None
-    """None: "uni" (in-process) for one rank, "ray" for more."""
+    distributed_executor_backend: Literal["uni"] | type | None = None
+    """How the ranks run: "uni" (or None) runs the one rank in this process; an `Executor`
+    subclass (engine/executor.py) starts and drives its own workers, and is what a group of
+    several ranks needs (vLLM's setting also takes a class). A class pickles by reference,
+    so engine arguments that hold one still reach an engine process."""
     sequence_parallel_min_tokens: int | None = Field(default=None, ge=0)
     """Batches of at least this many tokens run sequence-parallel across the tensor-parallel
     ranks (engine.distributed.init_sequence_parallel); None: 2048 where the GPUs reach each
@@ -113,7 +119,13 @@ class ParallelConfig(_Frozen):
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return world_size(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+
+def world_size(tensor_parallel_size: int | None, pipeline_parallel_size: int | None) -> int:
+    """Ranks of one engine: tensor_parallel_size x pipeline_parallel_size (None counts as 1,
+    as in engine arguments that leave a size out)."""
+    return (tensor_parallel_size or 1) * (pipeline_parallel_size or 1)
 
 
 class EngineConfig(_Frozen):
@@ -134,10 +146,9 @@ class EngineConfig(_Frozen):
     """Steps with prefills of up to this many tokens (at most max_num_batched_tokens) replay
     CUDA graphs split at attention (engine/worker/piecewise_graphs.py); 0: they run eagerly, the
     default with tensor_parallel_size > 1 (not yet run on GPUs there).
-    Decode-only steps always replay whole-forward graphs unless enforce_eager. Measured for
-    llama3-8b on an H200 (bench/RESULTS.md): an 8-token first token 18.1 -> 5.7 ms, 256
-    tokens 16.7 -> 8.2 ms, equal from 1,024 tokens on, where the GPU outlasts the launches;
-    capturing up to 2,048 tokens adds about 6 s to start-up."""
+    Decode-only steps always replay whole-forward graphs unless enforce_eager. A short
+    prefill's step is bound by its kernel launches, which the graphs take away (figures:
+    bench/RESULTS.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -223,11 +234,9 @@ class EngineConfig(_Frozen):
 UsageContext = Literal["offline", "server"]
 
 SERVER_PREFILL_TOKENS_WITH_DECODES = 1024
-"""A server's max_prefill_tokens_with_decodes when not given. On an H200 with llama3-8b
-shapes (bench/RESULTS.md, 1,024-token prompts): at Poisson 16 req/s ITL p99 28.8 / 28.4 ms
-against 31.2 / 28.7 without it, TTFT p99 103.9 / 98.6 against 107.6 / 109.2; at
-concurrency 32 ITL p99 ~30 against ~150. 512 halves ITL p99 again (17 ms) but costs TTFT
-p99 20-30 ms."""
+"""A server's max_prefill_tokens_with_decodes when not given: one long prompt a step keeps
+the running streams' token gaps short, where a smaller cap would make each prompt wait a
+step more for its first token (figures: bench/RESULTS.md)."""
 
 RUNNER_ARGS = ("device", "enforce_eager", "prefill_cuda_graph_tokens")
 """Engine arguments that are EngineConfig's own fields (the rest belong to its parts)."""
@@ -235,10 +244,17 @@ RUNNER_ARGS = ("device", "enforce_eager", "prefill_cuda_graph_tokens")
 
 def resolve_device(device: str | None) -> str:
     """The engine's device: as given, else cuda when torch sees a GPU, else cpu."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return device
+
+
+LARGE_GPU_BYTES = 70 * 2**30
+"""GPU memory from which the engine runs vLLM's larger batch defaults."""
 
 
 def default_batch_limits(
@@ -251,13 +267,24 @@ def default_batch_limits(
     (a smaller step keeps the decodes that share it quick); anything else 256 and 8,192.
     `gpu` is (total memory in bytes, device name), None without one.
     """
-    if gpu is not None and gpu[0] >= 70 * 2**30 and "a100" not in gpu[1].lower():
+    if gpu is not None and gpu[0] >= LARGE_GPU_BYTES and "a100" not in gpu[1].lower():
         return 1024, 16384 if usage_context == "offline" else 8192
     return 256, 8192
 
 
+def max_default_num_seqs(device: str | None) -> int:
+    """The most sequences `default_batch_limits` lets an engine on `device` run: on CUDA a
+    large GPU's. For bounds set before the engine's GPU is known (a Serve replica's)."""
+    gpu = (LARGE_GPU_BYTES, "any large GPU") if device == "cuda" else None
+    return default_batch_limits(gpu, "server")[0]
+
+
 def _gpu_memory_and_name(device: str) -> tuple[int, str] | None:
-    if device != "cuda" or not torch.cuda.is_available():
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return props.total_memory, props.name
@@ -267,7 +294,7 @@ def _resolve_dtype(hf_config: Any, device: str) -> str:
     if device == "cpu":
         return "float32"
     name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(name, torch.dtype):
+    if name is not None and not isinstance(name, str):  # a torch.dtype
         name = str(name).removeprefix("torch.")
     if name in ("bfloat16", "float16"):
         return name

@@ -1,12 +1,12 @@
 """Executor: drives the workers of one engine. The in-process one serves a single rank.
 
-Multi-rank executors live outside the engine (the Ray actor group in `cluster/`) and are
-looked up by backend name, so the engine never imports Ray.
+Executors of several ranks live outside the engine (a Ray actor group, say): whoever builds
+the engine passes the class in `distributed_executor_backend`, so the engine never imports
+Ray nor knows who starts its workers.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Protocol
@@ -15,8 +15,6 @@ from engine.config import EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.loader import ModelSource
 from engine.worker.worker import Worker
-
-EXECUTOR_BACKENDS = {"ray": "cluster.executor:RayActorGroupExecutor"}
 
 
 class Executor(ABC):
@@ -112,16 +110,22 @@ class UniProcExecutor(Executor):
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
+    """The executor `distributed_executor_backend` names: a class as given, else the
+    in-process one, which runs a single rank; ValueError for several ranks without a class."""
     parallel = config.parallel_config
-    backend = parallel.distributed_executor_backend or (
-        "uni" if parallel.world_size == 1 else "ray"
-    )
-    if backend == "uni":
-        if parallel.world_size != 1:
+    backend = parallel.distributed_executor_backend
+    if isinstance(backend, type):
+        if not issubclass(backend, Executor):
             raise ValueError(
-                f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
-                f"pipeline_parallel_size = {parallel.world_size} needs 'ray'"
+                f"distributed_executor_backend={backend.__qualname__} is not a subclass of "
+                "engine.executor.Executor"
             )
+        return backend
+    if parallel.world_size == 1:
         return UniProcExecutor
-    module_name, _, class_name = EXECUTOR_BACKENDS[backend].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    given = "'uni' runs one rank" if backend == "uni" else "none was given"
+    raise ValueError(
+        f"tensor_parallel_size x pipeline_parallel_size = {parallel.world_size} ranks need an "
+        f"executor that starts a worker per rank, and {given}: pass its class as "
+        "distributed_executor_backend (Ray's actor group: RayActorGroupExecutor)"
+    )

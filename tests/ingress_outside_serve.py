@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-import cluster.deployments as deployments
+import cluster.ingress
 from cluster.app_config import AppConfig
-from cluster.deployments import OpenAIIngress
+from cluster.ingress import OpenAIIngress
 
 
 class NoMetrics:
@@ -19,8 +19,8 @@ class NoMetrics:
 @pytest.fixture
 def outside_serve(monkeypatch):
     """No Ray metrics and no GC tuning: what an ingress needs of Serve's process."""
-    monkeypatch.setattr(deployments, "RayMetricsSink", NoMetrics)
-    monkeypatch.setattr(deployments, "tune_for_serving", lambda: None)
+    monkeypatch.setattr(cluster.ingress, "RayMetricsSink", NoMetrics)
+    monkeypatch.setattr(cluster.ingress, "tune_for_serving", lambda: None)
 
 
 async def build_ingress(server: Any, config: AppConfig, limiter: Any = None) -> Any:

@@ -7,8 +7,8 @@ called at most once per `flush_interval_s` (and whenever the engine goes idle, s
 never stay stale). A `MetricsSink` puts observations somewhere:
 
 - `PrometheusSink` (prometheus-client): the engine outside Ray, exported names as defined;
-- `cluster.metrics.RayMetricsSink`: Ray's metrics agent, which exports them on every node
-  as `ray_<name>` (Ray Serve adds `deployment`, `replica` and `application` labels).
+- a Ray metrics sink outside the engine: Ray's metrics agent, which exports them on every
+  node as `ray_<name>` (Ray Serve adds `deployment`, `replica` and `application` labels).
 
 prometheus-client appends `_total` to counters, as Ray does: `kvray_prompt_tokens` is
 scraped as `kvray_prompt_tokens_total` (or `ray_kvray_prompt_tokens_total`).

@@ -30,6 +30,8 @@ TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TINY_ARGS = dict(max_model_len=128, num_gpu_blocks=64, block_size=4)
 # A small KV cache per rank: six ranks of the default 1 GiB would take 6 GiB of memory.
 SMOL_ARGS = dict(max_model_len=256, cpu_kv_cache_gib=0.05)
+# The engine starts no workers of its own: a group of ranks needs the actor group's class.
+RAY_GROUP = dict(distributed_executor_backend=RayActorGroupExecutor)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +117,7 @@ def test_smollm2_parallel_greedy_equals_tp1(
     # handed between the stages whole; the decodes of one or two tokens all-reduce.
     llm = LLM(
         **SMOL_ARGS,
+        **RAY_GROUP,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         sequence_parallel_min_tokens=sequence_parallel_min_tokens,
@@ -137,7 +140,7 @@ def test_smollm2_parallel_greedy_equals_tp1(
 def test_smollm2_tp2_is_refused_before_any_worker_starts(ray_instance, smollm2):
     reference = smollm2[0]
     config = reference.config.model_copy(
-        update={"parallel_config": ParallelConfig(tensor_parallel_size=2)}
+        update={"parallel_config": ParallelConfig(tensor_parallel_size=2, **RAY_GROUP)}
     )
     placed_before = len(ray.util.placement_group_table())
     # 9 query heads and 3 KV heads cannot be split in two.
@@ -153,6 +156,7 @@ def test_tiny_llama_tp2_pp2_equals_tp1_with_a_batch_in_each_stage(ray_instance, 
     llm = LLM(
         path,
         **TINY_ARGS,
+        **RAY_GROUP,
         max_num_batched_tokens=6,  # prompts are prefilled in chunks, in flight too
         tensor_parallel_size=2,
         pipeline_parallel_size=2,
@@ -182,6 +186,7 @@ def test_prompt_logprobs_of_tp2_pp2_equal_tp1(ray_instance, tiny):
     llm = LLM(
         path,
         **TINY_ARGS,
+        **RAY_GROUP,
         max_num_batched_tokens=4,
         tensor_parallel_size=2,
         pipeline_parallel_size=2,
@@ -202,7 +207,7 @@ def test_dummy_weights_are_the_same_for_every_layout(ray_instance):
     # Benchmarks compare layouts on dummy weights: TP=2 x PP=2 must hold TP=1's weights.
     args = dict(model="tiny-llama", load_format="dummy", **TINY_ARGS)
     want = _tokens(LLM(**args), TOKEN_PROMPTS)
-    llm = LLM(**args, tensor_parallel_size=2, pipeline_parallel_size=2)
+    llm = LLM(**args, **RAY_GROUP, tensor_parallel_size=2, pipeline_parallel_size=2)
     try:
         assert _tokens(llm, TOKEN_PROMPTS) == want
     finally:

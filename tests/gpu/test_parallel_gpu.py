@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from cluster.executor import RayActorGroupExecutor
 from cluster.topology import free_port
 from engine import LLM, SamplingParams
+from engine.config import world_size
 from tests.engine.test_parallel import write_tiny_llama
 
 pytestmark = [
@@ -28,6 +30,11 @@ def tiny(tmp_path_factory):
 
 
 def _tokens(path: str, **engine_args) -> list[list[int]]:
+    ranks = world_size(
+        engine_args.get("tensor_parallel_size"), engine_args.get("pipeline_parallel_size")
+    )
+    if ranks > 1:
+        engine_args["distributed_executor_backend"] = RayActorGroupExecutor
     llm = LLM(path, max_model_len=128, gpu_memory_utilization=0.3, **engine_args)
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]

@@ -28,9 +28,15 @@ ARGS = dict(max_model_len=128, num_gpu_blocks=64, block_size=4)
 DRIVER = """
 import json, sys
 import ray
+from cluster.executor import RayActorGroupExecutor
 from engine import LLM, SamplingParams
 ray.init(logging_level="ERROR")
-llm = LLM(sys.argv[1], pipeline_parallel_size=2, **json.loads(sys.argv[2]))
+llm = LLM(
+    sys.argv[1],
+    pipeline_parallel_size=2,
+    distributed_executor_backend=RayActorGroupExecutor,
+    **json.loads(sys.argv[2]),
+)
 params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 outputs = llm.generate(json.loads(sys.argv[3]), params)
 executor = llm.engine.executor
@@ -147,7 +153,7 @@ def test_a_tensor_parallel_group_on_one_node_sees_its_own_gpus_only():
 
 
 def test_kvray_switches_reach_the_workers_of_a_group(monkeypatch):
-    from cluster.executor import worker_runtime_env
+    from cluster.ray_worker import worker_runtime_env
 
     for name in ("KVRAY_PROFILE_STEPS", "KVRAY_NCCL_ONLY", "KVRAY_TORCH_KERNELS"):
         monkeypatch.delenv(name, raising=False)

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-import cluster.deployments as deployments
+import cluster.ingress
 from cluster.app_config import load_app_config
 from cluster.local_server import LocalServer
 from engine.api.errors import APIError
@@ -174,7 +174,7 @@ class _Counted:
 
 
 def test_one_model_answers_requests_naming_none_and_refuses_unknown_names_itself(monkeypatch):
-    monkeypatch.setattr(deployments, "RayMetricsSink", _Counted)
+    monkeypatch.setattr(cluster.ingress, "RayMetricsSink", _Counted)
     _Counted.incs = []
     host = _FakeHost("SmolLM2-135M-Instruct", 512)
     requests = [
@@ -334,7 +334,7 @@ def test_max_completion_prompts_defaults_to_vllms_1024():
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
 def test_a_client_gone_while_its_body_is_read_is_counted_as_gone_not_an_error(monkeypatch, path):
-    monkeypatch.setattr(deployments, "RayMetricsSink", _Counted)
+    monkeypatch.setattr(cluster.ingress, "RayMetricsSink", _Counted)
     _Counted.incs = []
     host = _FakeHost("small", 256)
 

@@ -12,13 +12,13 @@ import yaml
 from cluster.app_config import (
     ENGINE_KEYS,
     PER_MODEL_KEYS,
-    PER_MODEL_SERVE_KEYS,
     AppConfig,
-    ServeOptions,
+    llm_server_name,
     load_app_config,
 )
 from cluster.cli import parse_serve_args
-from cluster.deployments import build_openai_app, llm_server_name, llm_server_options
+from cluster.deployments import build_openai_app, llm_server_options
+from cluster.serve_options import PER_MODEL_SERVE_KEYS, ServeOptions
 from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from engine.worker.loader import default_model_name
 from serve_app import build_app

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.app_config import ENGINE_KEYS, AppConfig, TenantConfig, load_app_config
+from cluster.app_config import ENGINE_KEYS, AppConfig, load_app_config
 from cluster.cli import build_parser, parse_serve_args
 from cluster.deployments import build_openai_app, llm_server_options
+from cluster.engine_host import engine_args
+from cluster.executor import RayActorGroupExecutor
 from cluster.local_server import colocated_capacity
-from cluster.tenants import TenantLimiter, TenantResolver
+from cluster.tenants import TenantConfig, TenantLimiter, TenantResolver
 from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV, node_env
 from engine.api.errors import APIError
 from engine.config import (
@@ -278,6 +280,19 @@ def test_kvray_serve_refuses_an_unclear_command_line(argv, error, capsys):
     assert error in capsys.readouterr().err
     _, args = parse_serve_args(["serve", "--port", "65535"])
     assert args.port == 65535
+
+
+def test_a_group_of_ranks_gets_the_ray_actor_group_as_its_executor():
+    def backend(**args):
+        return engine_args(load_app_config(args)).get("distributed_executor_backend", "unset")
+
+    assert backend() == "unset"  # one rank: the engine runs it in process
+    assert backend(tensor_parallel_size=2) is RayActorGroupExecutor
+    assert backend(pipeline_parallel_size=2, distributed_executor_backend="ray") is (
+        RayActorGroupExecutor
+    )
+    assert backend(distributed_executor_backend="ray") is RayActorGroupExecutor
+    assert backend(distributed_executor_backend="uni") == "uni"
 
 
 def test_placement_bundles_follow_the_parallel_config():

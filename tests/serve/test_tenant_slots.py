@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-import cluster.deployments as deployments
+import cluster.ingress
 from cluster.app_config import load_app_config
 from cluster.local_server import LocalServer
 from cluster.tenants import TenantLimiter
@@ -226,7 +226,7 @@ def test_only_configured_tenants_name_a_metric_series_when_the_header_names_the_
     monkeypatch,
 ):
     sink = _Recording()
-    monkeypatch.setattr(deployments, "RayMetricsSink", lambda: sink)
+    monkeypatch.setattr(cluster.ingress, "RayMetricsSink", lambda: sink)
 
     async def go():
         app, _, _ = await _app(_Host(), {"max_concurrent_requests": 4})

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 import engine.config
-from engine.config import SERVER_PREFILL_TOKENS_WITH_DECODES, EngineConfig, default_batch_limits
+from engine.config import (
+    SERVER_PREFILL_TOKENS_WITH_DECODES,
+    EngineConfig,
+    default_batch_limits,
+    max_default_num_seqs,
+)
+from engine.executor import Executor, UniProcExecutor, get_executor_class
 
 GIB = 2**30
 
@@ -24,6 +32,12 @@ GIB = 2**30
 )
 def test_batch_defaults_follow_vllms_for_the_gpu(gpu, usage, want):
     assert default_batch_limits(gpu, usage) == want
+
+
+def test_a_bound_set_before_the_gpu_is_known_takes_the_largest_default():
+    # A Serve replica's max_ongoing_requests: the deployment is built before its GPU is seen.
+    assert max_default_num_seqs("cuda") == default_batch_limits((141 * GIB, "H200"), "server")[0]
+    assert max_default_num_seqs("cpu") == max_default_num_seqs(None) == 256
 
 
 def test_create_resolves_batch_defaults_for_the_device_and_keeps_given_values(monkeypatch):
@@ -59,3 +73,26 @@ def test_a_server_keeps_prompts_beside_decodes_short_and_offline_does_not():
 def test_unknown_engine_argument_is_named():
     with pytest.raises(ValueError, match="unknown engine argument.*max_num_seq\\b"):
         EngineConfig.create(device="cpu", max_num_seq=8)
+
+
+class _GroupExecutor(Executor):
+    """An executor of several ranks from outside the engine (its methods are never run)."""
+
+
+def test_several_ranks_need_an_executor_class_passed_from_outside_the_engine():
+    assert get_executor_class(EngineConfig.create(device="cpu")) is UniProcExecutor
+    for backend in (None, "uni"):
+        config = EngineConfig.create(
+            device="cpu", tensor_parallel_size=2, distributed_executor_backend=backend
+        )
+        with pytest.raises(ValueError, match="= 2 ranks .* as distributed_executor_backend"):
+            get_executor_class(config)
+    group = EngineConfig.create(
+        device="cpu", pipeline_parallel_size=2, distributed_executor_backend=_GroupExecutor
+    )
+    assert get_executor_class(group) is _GroupExecutor
+    # An engine process gets its arguments pickled: the class travels by reference.
+    assert pickle.loads(pickle.dumps(group)) == group
+    other = EngineConfig.create(device="cpu", distributed_executor_backend=dict)
+    with pytest.raises(ValueError, match="distributed_executor_backend=dict is not a subclass"):
+        get_executor_class(other)

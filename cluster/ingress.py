@@ -1,0 +1,389 @@
+"""The HTTP side of a kvray app: `OpenAIIngress`, a Serve deployment of OpenAI's routes.
+
+The ingress owns everything about HTTP: body size, API keys, tenants and their limits,
+request validation, turning the servers' replies into responses. It picks a model's
+server (an LLMServer handle, cluster/engine_host.py) by the request's `model`
+(cluster/model_router.py); with `colocate_ingress` it holds the engine itself and talks to
+it through the same interface as to a handle (cluster/local_server.py). What a server
+sends back per request is described in cluster/engine_host.py.
+
+Importing this module loads no torch (tests/unit/test_import_cost.py): the engine's
+modules load when a replica starts.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the signatures of the route
+# methods (`__serve_build_asgi_app__`), and string annotations do not resolve there.
+import asyncio
+import contextvars
+import importlib.metadata
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from ray import serve
+from ray.exceptions import TaskCancelledError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import ClientDisconnect
+
+from cluster.app_config import AppConfig
+from cluster.http_app import (
+    ClosingStreamingResponse,
+    HotRoutes,
+    build_fastapi_app,
+    error_response,
+)
+from cluster.local_server import LocalServer, colocated_capacity
+from cluster.metrics import RayMetricsSink, TenantMetrics
+from cluster.model_router import ModelRouter
+from cluster.tenants import DEFAULT_TENANT, TenantResolver
+from engine.api.errors import APIError, validation_error
+from engine.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from engine.api.responses import UsageInfo
+from engine.observability.gc_pauses import tune_for_serving
+from engine.observability.hop_trace import hop
+
+if TYPE_CHECKING:
+    from cluster.engine_host import EngineHost
+    from engine.api.serving import RequestContext
+
+_REQUEST_TYPES = {
+    "completion": CompletionRequest,
+    "chat": ChatCompletionRequest,
+    "tokenize": TokenizeRequest,
+    "detokenize": DetokenizeRequest,
+}
+
+
+CLIENT_GONE = 499
+"""The status a request whose client went away is counted under (nginx's, and Serve's)."""
+
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")
+
+
+def client_request_id(headers: Any) -> str | None:
+    """The request's X-Request-Id (vLLM's: response ids carry it; Serve's direct ingress
+    sets one where the client gave none, and answers with it), if it is printable ASCII
+    without spaces, at most 128 characters; else None."""
+    value = headers.get("x-request-id")
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
+
+
+def _cancel(replies: Any) -> None:
+    """Best-effort cancel of a server call (frees the engine's request if still running)."""
+    try:
+        replies.cancel()
+    except Exception:
+        pass
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress()
+class OpenAIIngress:
+    async def __init__(
+        self,
+        server: DeploymentHandle | dict[str, DeploymentHandle] | None,
+        config: AppConfig,
+        limiter: DeploymentHandle | None = None,
+    ) -> None:
+        """`server`: the one model's LLMServer, or served name -> LLMServer for several;
+        None: this replica holds the engine itself (colocate_ingress)."""
+        # The ingress holds every stream's HTTP state: a full collection walks all of it.
+        tune_for_serving()
+        # engine.api.serving loads the tokenizer's modules (and torch): here, when the
+        # replica starts, rather than when this module is imported.
+        from engine.api.serving import RequestContext
+
+        self.request_context_type = RequestContext
+        self.host: EngineHost | None = None
+        if server is None:
+            from cluster import engine_host
+
+            self.host = engine_host.EngineHost()
+            await self.host.start(config)
+            server = LocalServer(self.host, colocated_capacity(config))
+        servers = server if isinstance(server, dict) else {config.served_name: server}
+        aliases = {name: c.served_name for c in config.model_configs() for name in c.served_names}
+        self.router = ModelRouter(servers, aliases)
+        self.config = config
+        self.limiter = limiter
+        self.resolver = TenantResolver(config.api_keys, config.tenants)
+        # With API keys the tenants are the keys' (a bounded set); without, any header value.
+        named = None if config.api_keys else {*config.tenants, DEFAULT_TENANT}
+        self.tenant_metrics = TenantMetrics(RayMetricsSink(), named)
+
+    def __serve_build_asgi_app__(self) -> HotRoutes:
+        """The replica's HTTP app (Serve calls this once __init__ has returned)."""
+        fastapi_app = build_fastapi_app(
+            {
+                ("GET", "/health"): self.health,
+                ("GET", "/v1/models"): self.models,
+                # `:path`: served names may hold slashes (meta-llama/Llama-3.1-8B).
+                ("GET", "/v1/models/{model_id:path}"): self.model,
+                ("GET", "/version"): self.version,
+                ("POST", "/v1/completions"): self.completions,
+                ("POST", "/v1/chat/completions"): self.chat_completions,
+                ("POST", "/tokenize"): self.tokenize,
+                ("POST", "/detokenize"): self.detokenize,
+            }
+        )
+        hot = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
+        return HotRoutes(hot, fastapi_app)
+
+    async def stats(self, model: str | None = None) -> dict:
+        """The engine's counters of `model` (tests and tools; not an HTTP route)."""
+        return await self.router.server(model).stats.remote()
+
+    def check_health(self) -> None:
+        if self.host is not None:
+            self.host.check_health()
+
+    def __del__(self) -> None:
+        if getattr(self, "host", None) is not None:
+            self.host.shutdown()
+
+    async def health(self) -> Response:
+        healthy = await self.router.healthy(timeout_s=10)
+        return Response(status_code=200 if healthy else 503)
+
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self.resolver.resolve(request.headers)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse(await self.router.models())
+
+    async def model(self, request: Request, model_id: str) -> JSONResponse:
+        try:
+            self.resolver.resolve(request.headers)
+            return JSONResponse(await self.router.model_card(model_id))
+        except APIError as e:
+            return error_response(e)
+
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": importlib.metadata.version("kvray")})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        return await self._tokenizer_call(request, "tokenize")
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        return await self._tokenizer_call(request, "detokenize")
+
+    async def _tokenizer_call(self, request: Request, kind: str) -> Response:
+        """vLLM's /tokenize and /detokenize: the server's tokenizer, no engine step."""
+        try:
+            self.resolver.resolve(request.headers)
+            parsed = await self._parse_body(request, kind)
+            result = await getattr(self.router.server(parsed.model), kind).remote(parsed)
+            if isinstance(result, APIError):
+                raise result
+        except APIError as e:
+            return error_response(e)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(result)
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        received = time.time()
+        lease = None
+        tenant_name = "unauthenticated"
+        model_name = ""
+        try:
+            tenant = self.resolver.resolve(request.headers)
+            tenant_name = tenant.name
+            parsed = await self._parse_body(request, kind)
+            hop("parsed")
+            model_name = self.router.name_for(parsed.model)
+            server = self.router.stream(model_name)
+            lease = await self._acquire(tenant.name)
+            timeout = tenant.config.time_limit_s(self.config.request_timeout_s)
+            ctx = self.request_context_type(
+                request_id=client_request_id(request.headers),
+                priority=tenant.config.priority,
+                cache_salt=tenant.cache_salt,
+                deadline=None if timeout is None else received + timeout,
+            )
+            response = await self._call_server(
+                server, kind, parsed, ctx, lease, model_name, tenant.name
+            )
+        except APIError as e:
+            self._release(lease, 0)
+            self.tenant_metrics.request_done(model_name, tenant_name, e.status_code)
+            if e.status_code == 429:
+                self.tenant_metrics.rejected(model_name, tenant_name, e.code or "rate_limited")
+            return error_response(e)
+        except ClientDisconnect:
+            # Gone while its body was read: nothing was started, no one to answer.
+            self.tenant_metrics.request_done(model_name, tenant_name, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        except BaseException as e:
+            # The server failed, or the client went away (Serve cancels the request's task):
+            # the tenant's slot comes back all the same.
+            self._release(lease, 0)
+            gone = isinstance(e, (TaskCancelledError, asyncio.CancelledError))
+            self.tenant_metrics.request_done(model_name, tenant_name, CLIENT_GONE if gone else 500)
+            raise
+        self.tenant_metrics.request_done(model_name, tenant_name, response.status_code)
+        return response
+
+    async def _parse_body(self, request: Request, kind: str) -> Any:
+        """The body as `kind`'s request model; APIError (413, 400 naming the field) if not."""
+        body = await self._read_body(request)
+        try:
+            parsed = _REQUEST_TYPES[kind].model_validate_json(body)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        limit = self.config.max_completion_prompts
+        if kind == "completion" and parsed.several_prompts and len(parsed.prompt) > limit:
+            raise APIError(
+                f"prompt holds {len(parsed.prompt)} prompts; this server takes at most {limit} "
+                "in one request (max_completion_prompts)",
+                param="prompt",
+            )
+        return parsed
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_request_body_bytes
+        too_large = APIError(f"request body is larger than {limit} bytes", 413)
+        length = request.headers.get("content-length")
+        # isdecimal() alone passes non-ASCII digits that int() may refuse ("²").
+        if length is not None and length.isascii() and length.isdecimal() and int(length) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
+    async def _acquire(self, tenant: str) -> str | None:
+        if self.limiter is None or not self.config.tenant(tenant).has_limits:
+            return None
+        admission = await self.limiter.acquire.remote(tenant)
+        if admission.lease_id is None:
+            raise APIError(
+                admission.reason,
+                429,
+                code="rate_limit_exceeded",
+                retry_after_s=admission.retry_after_s,
+            )
+        return admission.lease_id
+
+    def _release(self, lease: str | None, tokens: int) -> None:
+        if lease is not None:
+            # Not awaited: the request is sent at .remote(), and a release must not hold up
+            # a response whose client has gone. Sent from an empty context, so it is not a
+            # child of the client's request: Serve cancels those with it, and a release made
+            # while the disconnect is being handled was lost that way now and then.
+            contextvars.Context().run(self.limiter.release.remote, lease, tokens)
+
+    async def _call_server(
+        self,
+        server: Any,
+        kind: str,
+        parsed: Any,
+        ctx: "RequestContext",
+        lease: str | None,
+        model: str,
+        tenant: str,
+    ) -> Response:
+        """`server`: the streaming handle of the request's model."""
+        replies = server.generate.remote(kind, parsed, ctx)
+        try:
+            remaining = None if ctx.deadline is None else max(0.0, ctx.deadline - time.time())
+            async with asyncio.timeout(remaining):
+                first = await replies.__anext__()
+        except BackPressureError:
+            # Never assigned to a replica: nothing to cancel (cancel() would raise it again).
+            raise APIError(
+                "the server is at capacity (max_queued_requests): retry shortly",
+                429,
+                code="server_overloaded",
+                retry_after_s=1,
+            ) from None
+        except TimeoutError:
+            _cancel(replies)
+            raise APIError(
+                "the request waited past its time limit (request_timeout_s) and was aborted",
+                408,
+                code="request_timeout",
+            ) from None
+        except BaseException:
+            # The client went away (cancellation) or the server failed: abort downstream.
+            _cancel(replies)
+            raise
+        if isinstance(first, APIError):
+            _cancel(replies)
+            raise first
+        if isinstance(first, dict):
+            _cancel(replies)
+            usage = first.get("usage", {})
+            self._charge(
+                lease,
+                model,
+                tenant,
+                usage.get("prompt_tokens", 0),
+                usage.get("completion_tokens", 0),
+            )
+            return JSONResponse(first)
+        stream = _ServerStream(replies, prompt_tokens=first)
+        # From here the response owns the slot: it gives it back when the stream ends,
+        # however it ends (also when the client leaves before the first byte is sent).
+        return ClosingStreamingResponse(
+            stream.events(),
+            media_type="text/event-stream",
+            on_close=lambda: self._charge(lease, model, tenant, *stream.close()),
+        )
+
+    def _charge(
+        self, lease: str | None, model: str, tenant: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """A request has ended: charge its tokens to its tenant and give back its slot."""
+        self._release(lease, prompt_tokens + completion_tokens)
+        self.tenant_metrics.tokens(model, tenant, prompt_tokens, completion_tokens)
+
+
+class _ServerStream:
+    """A server's stream of SSE text, which ends with its `UsageInfo`. Cut short, it still
+    knows its prompt tokens (the server's first item) and counts each chunk it passed on as
+    one generated token (a chunk holds one or more), so a tenant is charged for a stream
+    its client left."""
+
+    def __init__(self, replies: Any, prompt_tokens: int) -> None:
+        self.replies = replies
+        self.prompt_tokens = prompt_tokens
+        self.chunks = 0
+        self.usage: UsageInfo | None = None
+        self.closed = False
+
+    async def events(self):
+        async for item in self.replies:
+            if isinstance(item, UsageInfo):
+                self.usage = item
+            else:
+                self.chunks += 1
+                yield item
+
+    def close(self) -> tuple[int, int]:
+        """Abort the server's call unless it ended; (prompt, completion) tokens, once."""
+        if self.closed:
+            return 0, 0
+        self.closed = True
+        if self.usage is None:
+            _cancel(self.replies)
+            return self.prompt_tokens, self.chunks
+        return self.usage.prompt_tokens, self.usage.completion_tokens
