@@ -107,10 +107,11 @@ class SchedulerConfig(_Frozen):
 class ParallelConfig(_Frozen):
     tensor_parallel_size: int = Field(default=1, gt=0)
     pipeline_parallel_size: int = Field(default=1, gt=0)
-    distributed_executor_backend: Literal["uni"] | type | None = None
-    """How the ranks run: "uni" (or None) runs the one rank in this process; an `Executor`
-    subclass (engine/executor.py) starts and drives its own workers, and is what a group of
-    several ranks needs (vLLM's setting also takes a class). A class pickles by reference,
+    distributed_executor_backend: str | type | None = None
+    """How the ranks run: "uni" runs the one rank in this process; a backend name registered
+    under the `kvray.executors` entry points ("ray": one Ray actor per rank) or an `Executor`
+    subclass (engine/executor.py) starts and drives its own workers. None: "uni" for one
+    rank, "ray" for several (vLLM's setting also takes a class). A class pickles by reference,
     so engine arguments that hold one still reach an engine process."""
     sequence_parallel_min_tokens: int | None = Field(default=None, ge=0)
     """Batches of at least this many tokens run sequence-parallel across the tensor-parallel

@@ -1,14 +1,16 @@
 """Executor: drives the workers of one engine. The in-process one serves a single rank.
 
 Executors of several ranks live outside the engine (a Ray actor group, say): whoever builds
-the engine passes the class in `distributed_executor_backend`, so the engine never imports
-Ray nor knows who starts its workers.
+the engine passes the class in `distributed_executor_backend`, or a name that an installed
+package registers under the `kvray.executors` entry-point group (kvray's own pyproject
+registers "ray"). The engine thus never imports Ray nor knows who starts its workers.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from importlib.metadata import entry_points
 from typing import Protocol
 
 from engine.config import EngineConfig
@@ -109,11 +111,23 @@ class UniProcExecutor(Executor):
         return self.worker.execute_model_async(scheduler_output)
 
 
+EXECUTOR_ENTRY_POINTS = "kvray.executors"
+"""Entry-point group of executor classes, by backend name (pyproject.toml registers "ray")."""
+
+DEFAULT_MULTI_RANK_BACKEND = "ray"
+"""The backend a group of several ranks runs on when none is named (vLLM's default too)."""
+
+
 def get_executor_class(config: EngineConfig) -> type[Executor]:
-    """The executor `distributed_executor_backend` names: a class as given, else the
-    in-process one, which runs a single rank; ValueError for several ranks without a class."""
+    """The executor `distributed_executor_backend` names: a class as given, a registered
+    backend name, else the in-process one for a single rank and the default backend
+    (DEFAULT_MULTI_RANK_BACKEND) for several. ValueError naming the setting otherwise."""
     parallel = config.parallel_config
     backend = parallel.distributed_executor_backend
+    if backend is None:
+        backend = "uni" if parallel.world_size == 1 else DEFAULT_MULTI_RANK_BACKEND
+    if isinstance(backend, str) and backend != "uni":
+        backend = _registered_executor(backend)
     if isinstance(backend, type):
         if not issubclass(backend, Executor):
             raise ValueError(
@@ -123,9 +137,24 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
         return backend
     if parallel.world_size == 1:
         return UniProcExecutor
-    given = "'uni' runs one rank" if backend == "uni" else "none was given"
     raise ValueError(
         f"tensor_parallel_size x pipeline_parallel_size = {parallel.world_size} ranks need an "
-        f"executor that starts a worker per rank, and {given}: pass its class as "
-        "distributed_executor_backend (Ray's actor group: RayActorGroupExecutor)"
+        "executor that starts a worker per rank, and 'uni' runs one rank: pass a backend "
+        f"name ({', '.join(_registered_names()) or 'none is installed'}) or an Executor class "
+        "as distributed_executor_backend"
     )
+
+
+def _registered_names() -> list[str]:
+    return sorted(ep.name for ep in entry_points(group=EXECUTOR_ENTRY_POINTS))
+
+
+def _registered_executor(name: str) -> type:
+    found = [ep for ep in entry_points(group=EXECUTOR_ENTRY_POINTS) if ep.name == name]
+    if not found:
+        known = ", ".join(["uni", *_registered_names()])
+        raise ValueError(
+            f"distributed_executor_backend={name!r} is not an installed executor backend "
+            f"(known: {known})"
+        )
+    return found[0].load()

@@ -79,14 +79,25 @@ class _GroupExecutor(Executor):
     """An executor of several ranks from outside the engine (its methods are never run)."""
 
 
-def test_several_ranks_need_an_executor_class_passed_from_outside_the_engine():
+def test_several_ranks_run_on_a_registered_backend_or_a_class_from_outside_the_engine():
+    from cluster.executor import RayActorGroupExecutor
+
     assert get_executor_class(EngineConfig.create(device="cpu")) is UniProcExecutor
-    for backend in (None, "uni"):
+    # None picks the registered "ray" backend for several ranks (pyproject's entry point),
+    # as LLM(model, tensor_parallel_size=4) offline expects; naming it does the same.
+    for backend in (None, "ray"):
         config = EngineConfig.create(
             device="cpu", tensor_parallel_size=2, distributed_executor_backend=backend
         )
-        with pytest.raises(ValueError, match="= 2 ranks .* as distributed_executor_backend"):
-            get_executor_class(config)
+        assert get_executor_class(config) is RayActorGroupExecutor
+    one_rank = EngineConfig.create(
+        device="cpu", tensor_parallel_size=2, distributed_executor_backend="uni"
+    )
+    with pytest.raises(ValueError, match="= 2 ranks .* as distributed_executor_backend"):
+        get_executor_class(one_rank)
+    unknown = EngineConfig.create(device="cpu", distributed_executor_backend="mpi")
+    with pytest.raises(ValueError, match="'mpi' is not an installed executor backend"):
+        get_executor_class(unknown)
     group = EngineConfig.create(
         device="cpu", pipeline_parallel_size=2, distributed_executor_backend=_GroupExecutor
     )
