@@ -261,7 +261,7 @@ class ModelRunner:
             if params.prompt_logprobs is not None:
                 self._wants_prompt_logprobs.add(new.req_id)
             generator = None
-            if params.seed is not None:  # seeded before each draw (sampler.token_seed)
+            if params.seed is not None:  # seeded before each draw (sampling_batch.token_seed)
                 generator = torch.Generator(device=self.device)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
