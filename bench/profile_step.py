@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> None:
         runner.cuda_graphs.run = timed("graph_run", runner.cuda_graphs.run)
     runner.model.compute_logits = timed("compute_logits", runner.model.compute_logits)
     import engine.worker.model_runner as mr
+    import engine.worker.sampled_tokens as st
 
     mr.sample_on_device = timed("sample_on_device", mr.sample_on_device)
-    mr.finish_sampling = timed("finish_sampling", mr.finish_sampling)
+    st.finish_sampling = timed("finish_sampling", st.finish_sampling)
     mr.build_sampling_batch = timed("build_sampling_batch", mr.build_sampling_batch)
 
     for bs in args.batch_size:

@@ -8,11 +8,10 @@ over the null block), replays and reads the first `n` rows of the output.
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 
 from engine.forward_context import AttentionMetadata, forward_context
+from engine.worker.graph_inputs import copy_step_in, static_token_buffers
 
 MAX_CAPTURE_SIZE = 512
 """Larger decode batches run eagerly: their launches are a small share of the step."""
@@ -39,9 +38,7 @@ class DecodeCudaGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = static_token_buffers(n, device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -86,17 +83,7 @@ class DecodeCudaGraphs:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        n = input_ids.shape[0]
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if bs > n:
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(1)
-            self.block_tables[n:bs].zero_()
+        per_request = [(self.seq_lens, meta.seq_lens, 1), (self.block_tables, meta.block_tables, 0)]
+        n, bs = copy_step_in(self, input_ids, positions, meta, extra=per_request)
         self.graphs[bs].replay()
         return self.output[:n]

@@ -18,7 +18,6 @@ row; they store nothing because their slot is -1.
 
 from __future__ import annotations
 
-import bisect
 import gc
 from dataclasses import replace
 
@@ -26,6 +25,7 @@ import torch
 
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.layers.attention import Attention, attention_layers
+from engine.worker.graph_inputs import copy_step_in, static_token_buffers
 
 
 def capture_sizes(max_tokens: int) -> list[int]:
@@ -52,9 +52,7 @@ class PiecewiseCudaGraphs:
         self.block_size = cache.shape[2]
         self.sizes = capture_sizes(max_tokens)
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = static_token_buffers(n, device)
         self.output = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=device)
         # Every layer's attention reads and writes the same two buffers: layer i is done
         # with them before layer i + 1's graph writes its query.
@@ -124,13 +122,7 @@ class PiecewiseCudaGraphs:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        n = input_ids.shape[0]
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        if size > n:
-            self.slot_mapping[n:size].fill_(-1)
+        n, size = copy_step_in(self, input_ids, positions, meta)
         pieces = self.pieces.get(size)
         if pieces is None:
             self._run_eagerly(size, meta)
