@@ -8,9 +8,10 @@ with (Llama 3.1 Instruct: temperature 0.6, top_p 0.9) and every token that ends 
 default), requests that leave a sampling field unset take the model's value, and every
 end-of-sequence id ends a request.
 
-Settings (`generation_config`, an engine argument): "auto" reads the model folder's file;
-"vllm" (vLLM's spelling) keeps the engine's own defaults and the model's config.json EOS;
-any other value is a folder holding a generation_config.json.
+Settings (`generation_config`, an engine argument): "auto" reads the model folder's file
+(a GGUF file carries none; the bundled model's comes with kvray, engine/bundled.py); "vllm"
+(vLLM's spelling) keeps the engine's own defaults and the model's config.json EOS; any other
+value is a folder holding a generation_config.json.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+from engine.bundled import BUNDLED_GENERATION_CONFIG, BUNDLED_MODEL_NAME, is_bundled_model
 
 FILE_NAME = "generation_config.json"
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -55,15 +58,17 @@ def check_setting(setting: str) -> str:
     return setting
 
 
-def read_generation_defaults(setting: str, model_folder: str | Path | None) -> GenerationDefaults:
-    """The defaults `setting` names; `model_folder`: the model's folder for "auto" (None
-    when the model has none, e.g. a GGUF file or dummy weights)."""
+def read_generation_defaults(setting: str, model_path: str | Path | None) -> GenerationDefaults:
+    """The defaults `setting` names; `model_path`: the model's folder or GGUF file for
+    "auto" (None for dummy weights)."""
     if setting == "vllm":
         return GenerationDefaults()
     if setting == "auto":
-        if model_folder is None or not (Path(model_folder) / FILE_NAME).is_file():
+        if model_path is not None and is_bundled_model(model_path):
+            return _defaults_from(BUNDLED_GENERATION_CONFIG, f"the bundled {BUNDLED_MODEL_NAME}")
+        if model_path is None or not (Path(model_path) / FILE_NAME).is_file():
             return GenerationDefaults()
-        path = Path(model_folder) / FILE_NAME
+        path = Path(model_path) / FILE_NAME
     else:
         path = Path(check_setting(setting)).expanduser() / FILE_NAME
     try:
@@ -75,7 +80,7 @@ def read_generation_defaults(setting: str, model_folder: str | Path | None) -> G
     return _defaults_from(values, path)
 
 
-def _defaults_from(values: dict[str, Any], path: Path) -> GenerationDefaults:
+def _defaults_from(values: dict[str, Any], path: Path | str) -> GenerationDefaults:
     from engine.sampling_params import SamplingParams
 
     sampling = {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}

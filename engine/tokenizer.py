@@ -228,7 +228,8 @@ class IncrementalDetokenizer:
     Text is decoded from the output tokens alone (not the prompt), so the final text equals
     `tokenizer.decode(output_ids, skip_special_tokens=...)` without the tokenizer's optional
     space clean-up (" ." -> "."), which is not stable under appending and would make deltas
-    disagree with the full text. Each update decodes a short window:
+    disagree with the full text, and without the U+FFFD of a character cut short at the end
+    (`finish()`). Each update decodes a short window:
 
         ids:   ... | prefix_offset ......... read_offset ......... len(ids)
                      (already emitted; context for the decoder)   (new tokens)
@@ -286,10 +287,11 @@ class IncrementalDetokenizer:
         return None
 
     def finish(self) -> None:
-        """The request ended: release held text (a dangling partial character decodes as
-        U+FFFD, as a full decode would show it)."""
+        """The request ended: release held text, less a character its last tokens began but
+        did not complete (cut by max_tokens, say). A full decode shows that as one U+FFFD,
+        which is left out here; `token_ids` still has the tokens."""
         if not self.finished:
-            self._text += self._decode_new(flush=True)
+            self._text += self._decode_new(flush=True).removesuffix(_REPLACEMENT_CHAR)
             self.finished = True
 
     @property

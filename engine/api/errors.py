@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -83,7 +84,7 @@ def validation_error(e: ValidationError) -> APIError:
     """400 for the first problem pydantic found, naming the field (`messages[0].role`)."""
     errors = e.errors(include_url=False)
     if errors[0]["type"] == "json_invalid":
-        return APIError(f"the request body is not valid JSON: {errors[0]['msg']}")
+        return _json_error(errors[0])
     problem = _first_problem(errors)
     param = _format_loc(tuple(problem[0]["loc"]))
     if problem[0]["type"] == "missing":
@@ -95,6 +96,50 @@ def validation_error(e: ValidationError) -> APIError:
         sent = repr(problem[0]["input"])
         msg += f", got {sent if len(sent) <= 60 else sent[:57] + '...'}"
     return APIError(f"{param}: {msg}", param=param)
+
+
+def _json_error(error: dict[str, Any]) -> APIError:
+    # The JSON parser reports a lone UTF-16 surrogate ("\ud800") as a broken "hex escape";
+    # Python's json module reads one, which finds the string that has it.
+    if "hex escape" in error["msg"]:
+        field = _lone_surrogate_field(error.get("input"))
+        if field is not None:
+            return APIError(
+                f"{field} has a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its "
+                "other half): a JSON string must be valid Unicode",
+                param=field,
+            )
+    return APIError(f"the request body is not valid JSON: {error['msg']}")
+
+
+def _lone_surrogate_field(body: Any) -> str | None:
+    """Where in `body` (JSON text) the first string with a lone surrogate is; None when the
+    text is not JSON to Python either or has none."""
+    try:
+        found = _surrogate_path(json.loads(body), "")
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return None if found is None else found or "body"
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` with a lone surrogate (an object's own path
+    when one of its keys has it)."""
+    if isinstance(value, str):
+        return path if any("\ud800" <= c <= "\udfff" for c in value) else None
+    if isinstance(value, dict):
+        if any(_surrogate_path(key, path) is not None for key in value):
+            return path
+        children = [(f"{path}.{key}" if path else key, item) for key, item in value.items()]
+    elif isinstance(value, list):
+        children = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+    else:
+        return None
+    for child_path, child in children:
+        found = _surrogate_path(child, child_path)
+        if found is not None:
+            return found
+    return None
 
 
 def _first_problem(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:

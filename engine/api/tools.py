@@ -10,6 +10,7 @@ template.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +24,8 @@ from engine.api.tool_parsers import NamedToolParser, RequiredToolParser, ToolPar
 from engine.sampling_params import StructuredOutput
 from engine.structured_output import SCHEMA_MAPS, unenforced_keyword
 
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""The function names OpenAI's API takes."""
 _NO_ARGUMENTS = {"type": "object", "additionalProperties": False}
 """A function without parameters takes `{}`."""
 
@@ -67,12 +70,18 @@ class ToolUse:
 
 
 def check_tools(tools: list[ChatTool] | None) -> None:
-    """Unique names; parameters that are a JSON schema of an object."""
+    """Unique names of OpenAI's form; parameters that are a JSON schema of an object."""
     names: set[str] = set()
     for i, tool in enumerate(tools or ()):
         name = tool.function.name
+        param = f"tools[{i}].function.name"
+        if not _FUNCTION_NAME.fullmatch(name):
+            raise APIError(
+                f"{param}: {name!r} is not a function name: 1 to 64 letters, digits, "
+                f"underscores or dashes ({_FUNCTION_NAME.pattern})",
+                param=param,
+            )
         if name in names:
-            param = f"tools[{i}].function.name"
             raise APIError(f"{param}: {name!r} names an earlier tool too", param=param)
         names.add(name)
         if tool.function.parameters is not None:
