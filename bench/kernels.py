@@ -27,6 +27,7 @@ from kernels.attention_ref import paged_attention_ref, store_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary_ref import apply_rotary_ref
 from kernels.triton_activation import silu_and_mul_triton
+from kernels.triton_attention import tuning
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 from kernels.triton_rotary import apply_rotary_triton
 
@@ -119,7 +120,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def set_decode_config(block_n: int, warps: int, stages: int) -> None:
-    ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES = block_n, warps, stages
+    tuning.DECODE_BLOCK_N = block_n
+    tuning.DECODE_NUM_WARPS = warps
+    tuning.DECODE_NUM_STAGES = stages
 
 
 def bench_decode(copy_gbps: float, sweep: bool) -> None:
@@ -131,7 +134,7 @@ def bench_decode(copy_gbps: float, sweep: bool) -> None:
         err = rel_err(ta.paged_attention_triton(**batch), paged_attention_ref(**batch))
         ms = graph_ms(lambda batch=batch: ta.paged_attention_triton(**batch))
         gbps = kv_bytes / ms / 1e6
-        splits = ta.decode_num_splits(num_seqs, num_kv_heads, seq_len, ta._num_sms(0))
+        splits = ta.decode_num_splits(num_seqs, num_kv_heads, seq_len, tuning.num_sms(0))
         record(name, ms, KV_GBps=gbps, pct_copy=100 * gbps / copy_gbps, splits=splits, rel_err=err)
         ms = bench_ms(lambda batch=batch: ta.paged_attention_triton(**batch))
         gbps = kv_bytes / ms / 1e6
@@ -163,7 +166,7 @@ def bench_decode_equivalents(batch, shape, copy_gbps, kv_bytes) -> None:
 
 
 def sweep_decode(case, batch, kv_bytes, copy_gbps, ref) -> None:
-    default = (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES)
+    default = (tuning.DECODE_BLOCK_N, tuning.DECODE_NUM_WARPS, tuning.DECODE_NUM_STAGES)
     best = None
     max_splits = min(64, math.ceil(batch["max_seq_len"] / 64))
     for block_n, warps, stages in ((64, 4, 3), (128, 4, 3)):
@@ -214,11 +217,11 @@ def bench_prefill(sweep: bool) -> None:
             bench_prefill_sdpa(batch, shape, flops)
         if sweep and i == 0:
             ref = paged_attention_ref(**batch)
-            default = ta.PREFILL_CONFIG
+            default = tuning.PREFILL_CONFIG
             best = None
             configs = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
             for cfg in configs:
-                ta.PREFILL_CONFIG = cfg
+                tuning.PREFILL_CONFIG = cfg
                 try:
                     err = rel_err(ta.paged_attention_triton(**batch), ref)
                     ms = bench_ms(lambda batch=batch: ta.paged_attention_triton(**batch), rep=40)
@@ -233,7 +236,7 @@ def bench_prefill(sweep: bool) -> None:
                 )
                 if best is None or ms < best[0]:
                     best = (ms, cfg)
-            ta.PREFILL_CONFIG = default
+            tuning.PREFILL_CONFIG = default
             print(f"  best prefill config: {best}")
             RESULTS["prefill sweep best"] = {"ms": best[0], "config": best[1]}
         del batch

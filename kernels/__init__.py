@@ -1,12 +1,16 @@
 """Kernels behind one signature each: Triton on CUDA tensors, torch references elsewhere.
 
-Set KVRAY_TORCH_KERNELS=1 to force the references on a GPU too (the oracle path).
-The Triton modules are imported on first use, so CPU-only installs never load triton.
+KVRAY_TORCH_KERNELS=1 forces the references on a GPU too (the oracle path); it is read on
+import, and again by `read_kernel_switch()`. The Triton modules are imported on first use,
+so CPU-only installs never load triton.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,19 +18,50 @@ import torch.nn.functional as F
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary_ref import apply_rotary_ref
+from kernels.rotary_ref import apply_rotary_ref, rotary_store_kv_ref
+
+# Kernel name -> (its Triton function as "module:function", its torch reference). Both
+# take the same arguments.
+KERNELS: dict[str, tuple[str, Callable]] = {
+    "store_kv": ("kernels.triton_attention:store_kv_triton", store_kv_ref),
+    "paged_attention": ("kernels.triton_attention:paged_attention_triton", paged_attention_ref),
+    "rms_norm": ("kernels.triton_norm:rms_norm_triton", rms_norm_ref),
+    "fused_add_rms_norm": ("kernels.triton_norm:fused_add_rms_norm_triton", fused_add_rms_norm_ref),
+    "apply_rotary": ("kernels.triton_rotary:apply_rotary_triton", apply_rotary_ref),
+    "rotary_store_kv": ("kernels.triton_rotary:rotary_store_kv_triton", rotary_store_kv_ref),
+    "linear": ("kernels.triton_gemv:gemv_triton", F.linear),
+    "silu_and_mul": ("kernels.triton_activation:silu_and_mul_triton", silu_and_mul_ref),
+}
+
+_torch_only = False
+
+
+def read_kernel_switch() -> None:
+    """Reads KVRAY_TORCH_KERNELS (1: the references on every device) into the switch that
+    the dispatchers below consult. A process that changes the variable calls this after."""
+    global _torch_only
+    _torch_only = os.environ.get("KVRAY_TORCH_KERNELS", "0") == "1"
+
+
+read_kernel_switch()
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("KVRAY_TORCH_KERNELS", "0") != "1"
+    return t.is_cuda and not _torch_only
+
+
+@functools.cache
+def _triton_function(name: str) -> Callable:
+    module, function = KERNELS[name][0].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _pick(name: str, triton: bool) -> Callable:
+    return _triton_function(name) if triton else KERNELS[name][1]
 
 
 def store_kv(key, value, kv_cache, slot_mapping) -> None:
-    if use_triton(key):
-        from kernels.triton_attention import store_kv_triton
-
-        return store_kv_triton(key, value, kv_cache, slot_mapping)
-    return store_kv_ref(key, value, kv_cache, slot_mapping)
+    return _pick("store_kv", use_triton(key))(key, value, kv_cache, slot_mapping)
 
 
 def paged_attention(
@@ -44,7 +79,7 @@ def paged_attention(
     """num_decodes: how many leading requests have one query token (a GPU batch splits them
     off to the decode kernel); the reference does not need it. out: write the result there
     (a contiguous tensor like query) rather than in a new tensor."""
-    args = (
+    return _pick("paged_attention", use_triton(query))(
         query,
         kv_cache,
         query_start_loc,
@@ -53,48 +88,28 @@ def paged_attention(
         scale,
         max_query_len,
         max_seq_len,
+        num_decodes=num_decodes,
+        out=out,
     )
-    if use_triton(query):
-        from kernels.triton_attention import paged_attention_triton
-
-        return paged_attention_triton(*args, num_decodes=num_decodes, out=out)
-    return paged_attention_ref(*args, out=out)
 
 
 def rms_norm(x, weight, eps):
-    if use_triton(x):
-        from kernels.triton_norm import rms_norm_triton
-
-        return rms_norm_triton(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+    return _pick("rms_norm", use_triton(x))(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    if use_triton(x):
-        from kernels.triton_norm import fused_add_rms_norm_triton
-
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+    return _pick("fused_add_rms_norm", use_triton(x))(x, residual, weight, eps)
 
 
 def apply_rotary(positions, query, key, cos_sin_cache) -> None:
-    if use_triton(query):
-        from kernels.triton_rotary import apply_rotary_triton
-
-        return apply_rotary_triton(positions, query, key, cos_sin_cache)
-    return apply_rotary_ref(positions, query, key, cos_sin_cache)
+    return _pick("apply_rotary", use_triton(query))(positions, query, key, cos_sin_cache)
 
 
 def rotary_store_kv(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping) -> None:
     """apply_rotary on query and key, then store_kv of the rotated key and value."""
-    if use_triton(query):
-        from kernels.triton_rotary import rotary_store_kv_triton
-
-        return rotary_store_kv_triton(
-            positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping
-        )
-    apply_rotary_ref(positions, query, key, cos_sin_cache)
-    store_kv_ref(key, value, kv_cache, slot_mapping)
+    return _pick("rotary_store_kv", use_triton(query))(
+        positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping
+    )
 
 
 def _gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -109,29 +124,65 @@ def _gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x, weight, bias=None):
     """F.linear; a one-row 16-bit input on a GPU takes the Triton GEMV."""
-    if _gemv_eligible(x, weight):
-        from kernels.triton_gemv import gemv_triton
-
-        return gemv_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return _pick("linear", _gemv_eligible(x, weight))(x, weight, bias)
 
 
 def silu_and_mul(x):
-    if use_triton(x):
-        from kernels.triton_activation import silu_and_mul_triton
+    return _pick("silu_and_mul", use_triton(x))(x)
 
-        return silu_and_mul_triton(x)
-    return silu_and_mul_ref(x)
+
+# Triton only (no reference): the caller decides when they apply.
+
+
+def gumbel_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    greedy: torch.Tensor | None,
+    seed: int,
+    vocab_size: int | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """kernels.triton_sampling.gumbel_sample_triton; chunk None: that module's CHUNK."""
+    from kernels.triton_sampling import CHUNK, gumbel_sample_triton
+
+    return gumbel_sample_triton(logits, temperature, greedy, seed, vocab_size, chunk or CHUNK)
+
+
+def argmax(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """kernels.triton_sampling.argmax_triton: logits[:, :vocab_size].argmax(dim=1)."""
+    from kernels.triton_sampling import argmax_triton
+
+    return argmax_triton(logits, vocab_size)
+
+
+def warm_up_decode(kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+    """Compiles every decode attention kernel variant for this cache's shape now."""
+    from kernels.triton_attention import warm_up_decode as warm_up
+
+    warm_up(kv_cache, num_heads, scale)
+
+
+def prefill_tile_query_lens(group: int, float32: bool) -> list[int]:
+    """The shortest longest-query that takes each prefill attention tile size."""
+    from kernels.triton_attention import prefill_tile_query_lens as tile_query_lens
+
+    return tile_query_lens(group, float32)
 
 
 __all__ = [
+    "KERNELS",
     "apply_rotary",
+    "argmax",
     "fused_add_rms_norm",
+    "gumbel_sample",
     "linear",
     "paged_attention",
+    "prefill_tile_query_lens",
+    "read_kernel_switch",
     "rms_norm",
     "rotary_store_kv",
     "silu_and_mul",
     "store_kv",
     "use_triton",
+    "warm_up_decode",
 ]

@@ -37,9 +37,11 @@ def paged_attention_ref(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over paged context; returns [T, Hq, D], in
-    `out` when given (rows that no request owns are left as they are)."""
+    `out` when given (rows that no request owns are left as they are). num_decodes is the
+    Triton kernel's hint (see kernels.paged_attention); the reference does not need it."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads

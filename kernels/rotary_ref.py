@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention_ref import store_kv_ref
+
 
 def apply_rotary_ref(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
@@ -22,3 +24,17 @@ def apply_rotary_ref(
         x2 = t[..., half:].float()
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         t.copy_(rotated.to(t.dtype))
+
+
+def rotary_store_kv_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """apply_rotary_ref on query and key, then store_kv_ref of the rotated key and value."""
+    apply_rotary_ref(positions, query, key, cos_sin_cache)
+    store_kv_ref(key, value, kv_cache, slot_mapping)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_launch, wait_for_previous_kernel
-from kernels.triton_attention import paged_slot_offsets
+from kernels.triton_attention.store_kv import paged_slot_offsets
 
 
 @triton.jit

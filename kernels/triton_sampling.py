@@ -3,8 +3,8 @@
 argmax_i(l_i / T + G_i), G_i = -log(-log(U_i)) with U_i uniform, picks token i with
 probability softmax(l / T)_i: the same distribution as the sampler's exponential race
 (argmax p_i / E_i, E_i = -log U_i), without the float32 copy, the softmax and the noise
-tensor (about seven passes over a [B, V] float32 array, 0.5 ms a step at B=165 and a
-152K vocabulary). Greedy rows take argmax(l). Noise comes from Philox keyed by a seed the
+tensor (about seven passes over a [B, V] float32 array; bench/RESULTS.md has the time
+they took). Greedy rows take argmax(l). Noise comes from Philox keyed by a seed the
 caller draws per step and by (row, token), so it needs no state on the device.
 
 Each program reduces one chunk of one row to its best (score, token); a torch argmax over
@@ -113,6 +113,5 @@ def gumbel_sample_triton(
 
 def argmax_triton(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """logits[:, :vocab_size].argmax(dim=1) (the lowest id among ties), spread over the
-    vocabulary: torch's argmax of one row runs in few blocks (27 us for 128K entries on an
-    H200, against a few us here)."""
+    vocabulary: torch's argmax of one row runs in few blocks."""
     return gumbel_sample_triton(logits, None, None, 0, vocab_size)

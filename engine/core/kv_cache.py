@@ -6,35 +6,11 @@ the null block: it pads block tables and is never handed to a request.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
 
+from engine.core.block_hash import BlockHash, hash_block_tokens
 from engine.core.request import Request
-
-
-class BlockHash(NamedTuple):
-    """Chained hash of one full block, stored with the key it was computed from.
-
-    A lookup compares the whole tuple, tokens included, so a hash collision can never hand
-    one prompt another prompt's KV.
-    """
-
-    value: bytes
-    parent: bytes | None
-    token_ids: tuple[int, ...]
-    extra_keys: tuple
-
-
-def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()
-) -> BlockHash:
-    parent_value = None if parent is None else parent.value
-    token_ids = tuple(token_ids)
-    key = pickle.dumps((parent_value, token_ids, extra_keys), protocol=5)
-    return BlockHash(hashlib.sha256(key).digest(), parent_value, token_ids, extra_keys)
 
 
 class KVCacheBlock:

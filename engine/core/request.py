@@ -5,12 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from engine.core.block_hash import BlockHash
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.core.kv_cache import BlockHash
 
 
 class RequestStatus(enum.IntEnum):

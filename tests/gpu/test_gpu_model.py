@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import kernels
 from engine import LLM, SamplingParams
 
 pytestmark = [
@@ -62,6 +63,7 @@ def _run(
     """Greedy completions with logprobs (the whole RequestOutputs with prompt_logprobs)."""
     old = os.environ.get("KVRAY_TORCH_KERNELS")
     os.environ["KVRAY_TORCH_KERNELS"] = "1" if torch_kernels else "0"
+    kernels.read_kernel_switch()
     try:
         llm = LLM(
             model=model_dir,
@@ -103,6 +105,7 @@ def _run(
             os.environ.pop("KVRAY_TORCH_KERNELS", None)
         else:
             os.environ["KVRAY_TORCH_KERNELS"] = old
+        kernels.read_kernel_switch()
 
 
 def _prompts():

@@ -7,6 +7,8 @@ GPU (`-m gpu`, on the device): every Triton op against its reference on random i
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -287,6 +289,26 @@ def test_triton_modules_import_without_a_gpu(name):
     assert any(n.endswith("_triton") for n in dir(module))
 
 
+@pytest.mark.parametrize("name", sorted(kernels.KERNELS))
+def test_each_kernel_names_a_triton_function_and_a_reference(name):
+    pytest.importorskip("triton")
+    triton_function, reference = kernels.KERNELS[name]
+    module, function = triton_function.split(":")
+    assert callable(getattr(importlib.import_module(module), function)) and callable(reference)
+
+
+def test_the_references_run_without_importing_triton():
+    code = (
+        "import sys, torch, kernels\n"
+        "x = torch.randn(2, 8)\n"
+        "kernels.rms_norm(x, torch.ones(8), 1e-6)\n"
+        "kernels.silu_and_mul(x)\n"
+        "kernels.linear(x[:1], torch.randn(4, 8))\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 16, 32])
 @pytest.mark.parametrize("float32", [False, True])
 def test_prefill_tile_query_lens_reach_every_tile_size_at_its_shortest(group, float32):
@@ -441,10 +463,10 @@ def test_decode_split_variants_cover_every_split_count_the_kernel_picks():
 
 @triton_test
 def test_decode_warm_up_leaves_the_kernel_ready_for_real_batches():
-    from kernels.triton_attention import paged_attention_triton, warm_up_decode
+    from kernels.triton_attention import paged_attention_triton
 
     batch = make_paged_batch([1] * 3, [15, 1000, 2049], 9, 3, 64, 16, torch.float16, DEVICE)
-    warm_up_decode(batch["kv_cache"], num_heads=9, scale=batch["scale"])
+    kernels.warm_up_decode(batch["kv_cache"], num_heads=9, scale=batch["scale"])
     for num_splits in (1, 7):  # the merge counters were left at zero
         assert_matches(paged_attention_triton(**batch, num_splits=num_splits), run_ref(batch))
 
@@ -712,6 +734,26 @@ def test_triton_argmax_equals_torch_argmax_with_ties_and_vocab_padding():
     assert ids.tolist() == logits[:, :vocab].float().argmax(dim=1).tolist()
 
 
+@triton_test
+def test_public_sampling_names_forward_to_the_triton_kernels():
+    from kernels.triton_sampling import argmax_triton
+
+    logits = torch.randn(3, 2500, device=DEVICE)
+    expected = argmax_triton(logits, 2000)
+    assert torch.equal(kernels.argmax(logits, 2000), expected)
+    greedy = torch.ones(3, dtype=torch.bool, device=DEVICE)
+    assert torch.equal(kernels.gumbel_sample(logits, None, greedy, 7, 2000, chunk=1024), expected)
+
+
+def test_public_prefill_tile_query_lens_is_the_attention_modules():
+    pytest.importorskip("triton")
+    from kernels.triton_attention import prefill_tile_query_lens
+
+    for group, float32 in [(1, False), (4, True), (7, False)]:
+        expected = prefill_tile_query_lens(group, float32)
+        assert kernels.prefill_tile_query_lens(group, float32) == expected
+
+
 # The interpreter runs one program at a time: llama3-8b's qkv_proj and a long K on GPUs only.
 GEMV_SHAPES = [(576, 576), (101, 1000)] + (
     [(6144, 4096), (1536, 8960)] if HAS_CUDA else [(47, 2100)]
@@ -741,14 +783,31 @@ def test_linear_falls_back_to_torch_off_the_gpu_path():
         assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.fixture
+def kernel_switch(monkeypatch):
+    """set(value): KVRAY_TORCH_KERNELS=value (None: unset), read by kernels; the test's end
+    puts back the variable and the switch."""
+
+    def set_switch(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv("KVRAY_TORCH_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("KVRAY_TORCH_KERNELS", value)
+        kernels.read_kernel_switch()
+
+    yield set_switch
+    monkeypatch.undo()
+    kernels.read_kernel_switch()
+
+
 @gpu_test
-def test_cuda_tensors_dispatch_to_triton_unless_forced_to_references(monkeypatch):
+def test_cuda_tensors_dispatch_to_triton_unless_forced_to_references(kernel_switch):
     from kernels.triton_attention import paged_attention_triton
 
     batch = make_paged_batch([5, 1], [40, 77], 32, 8, 128, 16, torch.bfloat16, "cuda")
-    monkeypatch.delenv("KVRAY_TORCH_KERNELS", raising=False)
+    kernel_switch(None)
     assert kernels.use_triton(batch["query"])
     assert torch.equal(kernels.paged_attention(**batch), paged_attention_triton(**batch))
-    monkeypatch.setenv("KVRAY_TORCH_KERNELS", "1")
+    kernel_switch("1")
     assert not kernels.use_triton(batch["query"])
     assert torch.equal(kernels.paged_attention(**batch), run_ref(batch))
