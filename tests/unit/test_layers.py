@@ -4,8 +4,7 @@ Every module of engine/, kernels/, cluster/ and serve_app.py is parsed (never im
 An import counts wherever it stands: at the top, inside a function, under TYPE_CHECKING.
 `from a.b import c` imports module a.b.c when there is one, else a.b.
 
-Each check runs once per module. A known violation that is being removed is marked
-xfail(strict=True): the check must fail until it is gone, and then its mark must go too.
+Each check runs once per module, so a failure names the module that breaks the order.
 """
 
 from __future__ import annotations
@@ -21,16 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kernels", "cluster")
 SINGLE_MODULES = ("serve_app.py",)
 CLUSTER_WORD = re.compile(r"\bcluster\b")
-
-# (check, module) -> why it fails today.
-KNOWN = {
-    ("names_no_cluster", "engine.executor"): (
-        'names "cluster.executor:RayActorGroupExecutor" (the executor is to be passed in)'
-    ),
-    ("names_no_cluster", "engine.observability.metrics"): "its docstring names cluster.metrics",
-    ("on_no_import_cycle", "cluster.local_server"): "imports cluster.deployments, and back",
-    ("on_no_import_cycle", "cluster.deployments"): "imports cluster.local_server, and back",
-}
 
 
 def _module_name(path: Path) -> str:
@@ -129,22 +118,15 @@ def _cycles() -> dict[str, frozenset[str]]:
 
 
 def _modules(check: str, *packages: str, outside: str | None = None) -> list:
-    """pytest params: the modules within `packages` (all when none) but not within `outside`,
-    each known violation marked xfail."""
+    """pytest params: the modules within `packages` (all when none) but not within `outside`."""
     params = []
     for module in sorted(_sources()):
         if packages and not any(_within(module, p) for p in packages):
             continue
         if outside and _within(module, outside):
             continue
-        reason = KNOWN.get((check, module))
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        params.append(pytest.param(module, marks=marks, id=module))
+        params.append(pytest.param(module, id=module))
     return params
-
-
-def test_the_known_violations_name_modules_that_exist():
-    assert {module for _, module in KNOWN} <= set(_sources())
 
 
 @pytest.mark.parametrize("module", _modules("imports_no_cluster", "engine", "kernels"))
