@@ -32,6 +32,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import RequestInputError, SamplingParams, StructuredOutput
 from engine.structured_output import StructuredOutputs
 from engine.worker.loader import ModelSource, load_hf_config, resolve_model_source, served_names
+from engine.worker.warmup import warm_up_requests
 
 
 class LLMEngine:
@@ -92,28 +93,14 @@ class LLMEngine:
         self.executor.freeze_worker_heaps()
 
     def warm_up(self) -> None:
-        """A few tiny requests through a prefill over a block table, decodes, a step that
-        mixes a decode with a prefill, steps that sample only at random, only greedily and
-        both, and a step for each prefill attention tile size: Triton compiles these
-        kernels now, not during the first requests (a short prompt or a chunk's short
-        remainder picks a smaller tile than a long one; the sampling kernel has a variant
-        for each mix). They leave nothing behind: no cached blocks, no prefix-cache
-        counts."""
-        from kernels.triton_attention import prefill_tile_query_lens
-
-        room = self.config.scheduler_config.max_model_len - 4  # prompt + 4 new tokens fit
-        if room <= 0:
+        """Run the warm-up requests (engine/worker/warmup.py) through a few steps, so that
+        Triton compiles the kernels they launch now, not during the first requests. They
+        leave nothing behind: no cached blocks, no prefix-cache counts."""
+        requests = warm_up_requests(self.config, self.hf_config)
+        if not requests:
             return
-        hf = self.hf_config
-        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        group = hf.num_attention_heads // kv_heads
-        tiles = prefill_tile_query_lens(group, self.config.model.dtype == "float32")
-        token = min(self.vocab_size - 2 - len(tiles), 100)
-        # The random one alone first, then beside greedy ones, then greedy ones alone.
-        prompts = [(17, 1.0), (40, 0.0)] + [(length, 0.0) for length in tiles]
-        for i, (length, temperature) in enumerate(prompts):
-            params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
-            self.add_request(f"kvray-warm-up-{i}", [token + i] * min(length, room), params)
+        for i, (prompt_token_ids, params) in enumerate(requests):
+            self.add_request(f"kvray-warm-up-{i}", prompt_token_ids, params)
             # Each arrives once the ones before it decode: its step is a mixed batch.
             while self.scheduler.waiting:
                 self.step()
