@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,11 @@ class InputProcessor:
         tokenizer: Any | None,
         vocab_size: int,
         max_model_len: int,
+        *,
         eos_token_id: int | None,
         runner_eos_token_id: int | None,
         more_eos_token_ids: list[int],
-        check_prompt_len: Any,
+        check_prompt_len: Callable[[int], None],
         structured: StructuredOutputs,
     ) -> None:
         """`runner_eos_token_id`: the EOS the model runner holds back for min_tokens;

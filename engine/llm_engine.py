@@ -80,11 +80,11 @@ class LLMEngine:
             tokenizer,
             self.vocab_size,
             config.scheduler_config.max_model_len,
-            self.eos_token_id,
-            runner_eos,
-            self.more_eos_token_ids,
-            self.scheduler.check_prompt_len,
-            self.structured,
+            eos_token_id=self.eos_token_id,
+            runner_eos_token_id=runner_eos,
+            more_eos_token_ids=self.more_eos_token_ids,
+            check_prompt_len=self.scheduler.check_prompt_len,
+            structured=self.structured,
         )
         self.output_processor = OutputProcessor(tokenizer, self.scheduler, self.structured)
         if config.device == "cuda":
