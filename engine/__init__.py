@@ -8,7 +8,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 _PUBLIC = {
-    "LLM": "engine.llm_engine",
+    "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "CompletionOutput": "engine.outputs",
     "RequestOutput": "engine.outputs",
@@ -28,7 +28,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLM, LLMEngine
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 

@@ -12,29 +12,22 @@ engine skips intermediate states and loses nothing (its next delta is simply lar
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import itertools
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.core_loop import AbortOp, AddOp, CallOp, CoreLoop, Op, Results
+from engine.core_loop import AbortOp, AddOp, CallOp, Op, Results
 from engine.generation_config import GenerationDefaults
 from engine.observability.hop_trace import hop
 from engine.observability.metrics import BufferedSink
+from engine.observability.metrics_replay import MetricsReplay
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestInputError, SamplingParams
+from engine.thread_core import ThreadCore
 from engine.tokenizer import encode_text
-
-METRICS_SPREAD_S = 1.0
-"""An event loop records a batch of metric events over about this long (_SpreadRecorder)."""
-METRICS_TICK_S = 0.005
-"""...a few at a time, this often."""
-
-logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -63,110 +56,10 @@ class _Stream:
         self.event.set()
 
 
-def _record(sink: Any, events: list) -> None:
-    for kind, name, value, labels in events:
-        getattr(sink, kind)(name, value, labels)
-
-
-class _SpreadRecorder:
-    """Records metric events into a sink on an event loop, a few every METRICS_TICK_S, so
-    that each batch is recorded within about METRICS_SPREAD_S and never holds the loop for
-    long. A Ray metric call costs microseconds (about 9 on an H100 host, in a Serve replica):
-    an engine's flush when it goes idle, one request's ~450 events at concurrency 1,
-    recorded at once, held up the next request, which arrives just then, by 4 ms."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, sink: Any) -> None:
-        self.loop, self.sink = loop, sink
-        self._backlog: collections.deque = collections.deque()
-        self._per_tick = 1
-        self._timer: asyncio.TimerHandle | None = None
-
-    def add(self, events: list) -> None:
-        """On the loop."""
-        self._backlog.extend(events)
-        ticks = max(1, round(METRICS_SPREAD_S / METRICS_TICK_S))
-        self._per_tick = -(-len(self._backlog) // ticks)
-        if self._timer is None:
-            self._timer = self.loop.call_later(METRICS_TICK_S, self._tick)
-
-    def _tick(self) -> None:
-        self._timer = None
-        try:
-            for _ in range(min(self._per_tick, len(self._backlog))):
-                kind, name, value, labels = self._backlog.popleft()
-                getattr(self.sink, kind)(name, value, labels)
-        finally:
-            if self._backlog:
-                self._timer = self.loop.call_later(METRICS_TICK_S, self._tick)
-
-
 def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException | None]]) -> None:
     hop("loop_deliver")
     for stream, item in items:
         stream.put(item)
-
-
-class _ThreadCore:
-    """The engine in a thread of this process: ops wait on a condition between steps."""
-
-    def __init__(self, engine: Any, deliver: Any, on_dead: Any, on_metrics: Any) -> None:
-        self.engine = engine
-        self._deliver, self._on_dead, self._on_metrics = deliver, on_dead, on_metrics
-        self.metrics: BufferedSink | None = None
-        """Where the engine records its metrics once they are on: handed on after outputs."""
-        self._cond = threading.Condition()
-        self._ops: list[Op] = []
-        self._stopping = False
-        self.step_started: float | None = None
-        self._thread = threading.Thread(target=self._run, name="kvray-engine-loop", daemon=True)
-        self._thread.start()
-
-    def submit(self, op: Op) -> bool:
-        with self._cond:
-            if self._stopping or not self._thread.is_alive():
-                return False
-            self._ops.append(op)
-            self._cond.notify()
-        return True
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def shutdown(self, timeout: float | None) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        core = CoreLoop(self.engine)
-        has_work = False
-        try:
-            while True:
-                with self._cond:
-                    while not self._ops and not has_work and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    ops, self._ops = self._ops, []
-                applied = core.apply(ops)
-                if applied:
-                    self._deliver(applied)
-                if core.has_work():
-                    self.step_started = time.monotonic()
-                    stepped = core.step()
-                    self.step_started = None
-                    self._deliver(stepped)
-                if self.metrics is not None:
-                    events = self.metrics.drain()
-                    if events:
-                        self._on_metrics(events)
-                has_work = core.has_work()
-            self._on_dead("the engine was shut down")
-        except BaseException as e:
-            logger.exception("the engine loop stopped")
-            self._on_dead(f"the engine loop stopped: {type(e).__name__}: {e}")
 
 
 class AsyncEngine:
@@ -196,11 +89,10 @@ class AsyncEngine:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
-        self._sink: Any = None
-        self._metrics_recorder: _SpreadRecorder | None = None
+        self._metrics: MetricsReplay | None = None
         if engine is not None:
             self.engine = engine
-            self._core: Any = _ThreadCore(engine, self._on_results, self._on_dead, self._replay)
+            self._core: Any = ThreadCore(engine, self._on_results, self._on_dead, self._replay)
             self._tokenizer = engine.tokenizer if hasattr(engine, "tokenizer") else None
         else:
             from engine.core_process import ProcessCore
@@ -291,13 +183,9 @@ class AsyncEngine:
         """Record engine metrics into `sink` (engine/observability/metrics.py) from the next request on.
 
         The engine loop only buffers them. Called on an event loop, that loop records them,
-        a few at a time (_SpreadRecorder); else the thread that hands the engine's outputs
-        over does, after delivering them."""
-        self._sink = sink
-        try:
-            self._metrics_recorder = _SpreadRecorder(asyncio.get_running_loop(), sink)
-        except RuntimeError:
-            self._metrics_recorder = None
+        a few at a time (engine/observability/metrics_replay.py); else the thread that hands
+        the engine's outputs over does, after delivering them."""
+        self._metrics = MetricsReplay(sink)
         if self.in_process:
             buffered = BufferedSink()
             self._core.metrics = buffered
@@ -431,20 +319,11 @@ class AsyncEngine:
         self._reply(replies)
 
     def _replay(self, events: list) -> None:
-        """The engine's metric events into the sink. A flush under load holds one event per
-        running request per step (thousands a second, microseconds each in Ray's metrics):
-        recorded on the engine's thread (or the engine process's reader thread) they held up
-        every stream's next outputs; the event loop records them spread out instead."""
-        sink, recorder = self._sink, self._metrics_recorder
-        if sink is None:
-            return
-        if recorder is None:
-            _record(sink, events)
-            return
-        try:
-            recorder.loop.call_soon_threadsafe(recorder.add, events)
-        except RuntimeError:
-            pass  # that event loop is closed: nobody is left to export them
+        """The engine's metric events into the sink (MetricsReplay says where they are
+        recorded)."""
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.replay(events)
 
     def _reply(self, replies: list[tuple[_Stream, RequestOutput | BaseException | None]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

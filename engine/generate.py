@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 

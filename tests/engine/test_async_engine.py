@@ -347,9 +347,9 @@ def test_an_engine_s_metrics_neither_hold_up_outputs_nor_the_event_loop(
 ):
     """A thread-driven engine (a tensor/pipeline-parallel group) and an engine process
     alike: the engine loop buffers its metrics, the event loop records them."""
-    import engine.async_engine as async_engine
+    import engine.observability.metrics_replay as metrics_replay
 
-    monkeypatch.setattr(async_engine, "METRICS_SPREAD_S", 0.05)
+    monkeypatch.setattr(metrics_replay, "METRICS_SPREAD_S", 0.05)
     eng = AsyncEngine.from_engine_args(
         max_model_len=256, max_num_seqs=8, engine_process=engine_process
     )
@@ -388,10 +388,10 @@ def test_an_engine_s_metrics_neither_hold_up_outputs_nor_the_event_loop(
 def test_a_batch_of_metric_events_is_recorded_a_few_at_a_time(monkeypatch):
     """An idle engine's flush (a whole request's events at once) is spread over the ticks
     of METRICS_SPREAD_S, in order, so the next request does not wait for all of it."""
-    import engine.async_engine as async_engine
+    import engine.observability.metrics_replay as metrics_replay
 
-    monkeypatch.setattr(async_engine, "METRICS_SPREAD_S", 1.0)
-    monkeypatch.setattr(async_engine, "METRICS_TICK_S", 0.1)  # 10 ticks a batch
+    monkeypatch.setattr(metrics_replay, "METRICS_SPREAD_S", 1.0)
+    monkeypatch.setattr(metrics_replay, "METRICS_TICK_S", 0.1)  # 10 ticks a batch
 
     class Sink:
         def __init__(self) -> None:
@@ -402,7 +402,7 @@ def test_a_batch_of_metric_events_is_recorded_a_few_at_a_time(monkeypatch):
 
     async def go() -> list[int]:
         sink = Sink()
-        recorder = async_engine._SpreadRecorder(asyncio.get_running_loop(), sink)
+        recorder = metrics_replay.SpreadRecorder(asyncio.get_running_loop(), sink)
         recorder.add([("observe", "m", float(i), {}) for i in range(45)])
         assert sink.values == []  # nothing at once
         counts = []

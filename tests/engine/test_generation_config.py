@@ -17,7 +17,7 @@ from engine.generation_config import (
     end_of_sequence_ids,
     read_generation_defaults,
 )
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from tests.api.test_api_serving import ScriptedEngine, _chat, _completion

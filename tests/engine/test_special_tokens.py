@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from engine.api.serving import OpenAIServing, RequestContext
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from tests.engine.test_parallel import TINY_ARGS, write_tiny_llama

@@ -407,7 +407,8 @@ def test_a_request_a_step_fails_on_fails_alone_and_the_engine_serves_on(llm, mon
     )
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     shaped_alone, free_alone = (o.outputs[0] for o in llm.generate([ids, ids], [person, free]))
-    mask_now, process_now = llm.engine.structured.bitmask, llm.engine._process_sample
+    mask_now = llm.engine.structured.bitmask
+    process_now = llm.engine.output_processor.process_sample
     requests = llm.engine.scheduler.requests
 
     def bitmask(request_id):
@@ -422,7 +423,7 @@ def test_a_request_a_step_fails_on_fails_alone_and_the_engine_serves_on(llm, mon
         process_now(sample, logprobs)
 
     monkeypatch.setattr(llm.engine.structured, "bitmask", bitmask)
-    monkeypatch.setattr(llm.engine, "_process_sample", process_sample)
+    monkeypatch.setattr(llm.engine.output_processor, "process_sample", process_sample)
 
     async def outputs(request_id, params):
         return [out async for out in engine.generate(ids, params, request_id)]

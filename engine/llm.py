@@ -1,0 +1,117 @@
+"""LLM: offline batch generation over an LLMEngine (generate, chat)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.observability.gc_pauses import frozen_heap
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.tokenizer import apply_chat_template
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Offline batch generation.
+
+    `LLM()` serves the bundled SmolLM2; `LLM(model="path/to/folder-or.gguf", **engine_args)`
+    takes vLLM-named engine arguments (max_model_len, max_num_seqs, dtype, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.engine = LLMEngine.from_engine_args(model=model, **engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params: SamplingParams() with
+        the model's generation_config.json defaults (unless generation_config="vllm")."""
+        return self.engine.get_default_sampling_params()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+                )
+        # Only finished outputs are returned here: no per-step outputs to build.
+        final_only = {}
+        for params in params_list:
+            if id(params) not in final_only:
+                final_only[id(params)] = dataclasses.replace(
+                    params, output_kind=RequestOutputKind.FINAL_ONLY
+                )
+        params_list = [final_only[id(p)] for p in params_list]
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with frozen_heap():
+            while len(finished) < len(ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                failed = self.engine.take_failed()
+                if failed:
+                    self.engine.abort_request(ids)
+                    raise failed[0][1]
+        return [finished[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them
+        (`continue_final_message`: the model continues the last message; `tools`: OpenAI's
+        tool definitions, rendered by templates that take them; `chat_template_kwargs`:
+        extra template variables, e.g. Qwen3's `enable_thinking`). The output is text:
+        calls and reasoning in it are not parsed here."""
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            apply_chat_template(
+                tokenizer,
+                conv,
+                add_generation_prompt,
+                continue_final_message,
+                tools,
+                chat_template_kwargs,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
