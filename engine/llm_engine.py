@@ -62,7 +62,7 @@ class LLMEngine:
         self.scheduler.schedule_placeholders = self.executor.supports_overlap
         self.scheduler.num_micro_batches = self.executor.max_concurrent_batches
         self.generation_defaults = read_generation_defaults(
-            config.model.generation_config, source.path if source.kind == "hf" else None
+            config.model.generation_config, source.path if source.kind in ("hf", "gguf") else None
         )
         eos_ids = end_of_sequence_ids(hf_config, tokenizer, self.generation_defaults)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None

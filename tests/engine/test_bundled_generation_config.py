@@ -31,3 +31,14 @@ def test_the_shipped_ids_agree_with_the_model_s_own():
     tokenizer = load_tokenizer(bundled_model_path())
     assert BUNDLED_GENERATION_CONFIG["eos_token_id"] == tokenizer.eos_token_id
     assert BUNDLED_GENERATION_CONFIG["bos_token_id"] == tokenizer.bos_token_id
+
+
+def test_the_bundled_engine_samples_with_the_shipped_defaults_when_a_request_sets_none():
+    from engine import LLM
+
+    llm = LLM(max_model_len=256)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p) == (
+        BUNDLED_GENERATION_CONFIG["temperature"],
+        BUNDLED_GENERATION_CONFIG["top_p"],
+    )
