@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.bundled import bundled_model_path
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tests.engine.test_tokenizer import WithoutRustBackend
