@@ -194,9 +194,7 @@ def limit_cpu_threads(engine_args: dict) -> None:
     """One intra-op CPU thread for a GPU engine, unless OMP_NUM_THREADS says otherwise.
 
     Its CPU work is small tensor ops between kernel launches; torch's pool of one thread
-    per core only adds wake-ups and spinning next to them. Measured on an H200 (16 cores),
-    llama3-8b, an 8-token prompt: the step that launches the prefill took 26 ms with the
-    default pool and 22.6 ms with one thread. A replica of Ray Serve already runs with
+    per core only adds wake-ups and spinning next to them (bench/RESULTS.md). A replica of Ray Serve already runs with
     OMP_NUM_THREADS=1 (Ray sets it from the replica's CPUs).
     """
     import torch

@@ -21,8 +21,8 @@ follow them, so a schema that uses one is refused, naming it and where it is. So
 grammar that accepts no output at all (nothing may come first), whose masks would leave
 the sampler nothing to choose.
 
-A schema can take seconds to compile (a string of 100 to 2,000 characters took 1.2 s on a
-2-core machine), so an engine loop serving others compiles on a thread of its own
+A schema can take seconds to compile (a long bounded string, say), so an engine loop
+serving others compiles on a thread of its own
 (`compile_in_background`); xgrammar releases the GIL meanwhile.
 """
 

@@ -19,9 +19,8 @@ from engine.sampling_params import StructuredOutputError
 class TimeLimit:
     """A request's time limit (request_timeout_s): one timer for the request's whole life.
 
-    `asyncio.timeout` around each wait for an output scheduled and cancelled a timer per
-    output, about 8 us each on the serving loop (a token at a time, for every stream).
-    Here the timer is set once; when it fires while the request's task waits in
+    `asyncio.timeout` around each wait for an output schedules and cancels a timer per
+    output on the serving loop (a token at a time, for every stream). Here the timer is set once; when it fires while the request's task waits in
     `next_output`, it cancels that wait, as `asyncio.timeout` does, and the wait becomes a
     408; a later `next_output` gives the 408 at once.
     """

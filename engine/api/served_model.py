@@ -31,12 +31,9 @@ from engine.tokenizer import (
 
 # Prompt text of at least this many characters is tokenized on a worker thread while other
 # requests are in flight, so that the event loop goes on streaming them meanwhile (the Rust
-# tokenizer releases the GIL, and several prompts of one burst tokenize side by side). On an
-# H200 host 1,024 words (about 6,000 characters) took 2-3 ms on a replica's loop with the
-# offsets-tracking encode; the fast encode (engine.tokenizer.encode_text) takes about a third
-# of that. Handing work to a thread and back costs about a tenth of a millisecond (0.14 ms
-# on a 2-core machine), more than a short prompt's tokenization, and with nothing else in
-# flight that is all the thread would change: the first token would come that much later.
+# tokenizer releases the GIL, and several prompts of one burst tokenize side by side). A
+# hand-off to a thread and back costs more than a short prompt's tokenization, and with
+# nothing else in flight the thread would only delay the first token (bench/RESULTS.md).
 TOKENIZE_ON_THREAD_CHARS = 2048
 TOKENIZE_THREADS = 4
 

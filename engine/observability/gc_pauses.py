@@ -30,10 +30,8 @@ _collection_started_at: float | None = None
 
 FULL_COLLECTION_EVERY = 100
 """Young-generation collections between full ones in a serving process (Python's default:
-10). A full collection walks every request in flight: through Serve on the H200, a burst of
-500 streams (816b865) had seven of 59-89 ms in 15 s, none collecting anything. In a replica
-on the 2-core box (tiny model, a burst of 500) the default had two over 10 ms (49-59 ms),
-this none. Garbage in reference cycles that lived long enough to reach the oldest
+10). A full collection walks every request in flight and, in a burst, stalls every stream
+while it finds nothing to collect (bench/RESULTS.md). Garbage in reference cycles that lived long enough to reach the oldest
 generation waits ten times longer for its collection."""
 
 
@@ -61,8 +59,7 @@ def space_out_full_collections() -> None:
 def frozen_heap() -> Iterator[None]:
     """Inside the block, collections skip every object that existed when it began; after it
     they walk them again. For a run in a process that is not only the engine's (an offline
-    `LLM.generate`): a 1,000-prompt run on the 2-core box had one full collection of 264 ms.
-    Where a heap is frozen already (a serving process) it changes nothing."""
+    `LLM.generate`), whose full collections would otherwise walk the whole model. Where a heap is frozen already (a serving process) it changes nothing."""
     if gc.get_freeze_count():
         yield
         return

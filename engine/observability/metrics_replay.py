@@ -26,9 +26,8 @@ def record(sink: Any, events: list) -> None:
 class SpreadRecorder:
     """Records metric events into a sink on an event loop, a few every METRICS_TICK_S, so
     that each batch is recorded within about METRICS_SPREAD_S and never holds the loop for
-    long. A Ray metric call costs microseconds (about 9 on an H100 host, in a Serve replica):
-    an engine's flush when it goes idle, one request's ~450 events at concurrency 1,
-    recorded at once, held up the next request, which arrives just then, by 4 ms."""
+    long: recorded at once, an idle engine's flush (one request's events) held up the next
+    request, which arrives just then (bench/RESULTS.md, figures formerly in docstrings)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sink: Any) -> None:
         self.loop, self.sink = loop, sink
