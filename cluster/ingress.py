@@ -152,7 +152,9 @@ class OpenAIIngress:
 
     async def health(self) -> Response:
         healthy = await self.router.healthy(timeout_s=10)
-        return Response(status_code=200 if healthy else 503)
+        if healthy:
+            return JSONResponse({"status": "healthy", "models": self.router.names})
+        return Response(status_code=503)
 
     async def models(self, request: Request) -> JSONResponse:
         try:
