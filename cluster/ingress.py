@@ -6,7 +6,7 @@ server (an LLMServer handle, cluster/engine_host.py) by the request's `model`
 (cluster/model_router.py); with `colocate_ingress` it holds the engine itself and talks to
 it through the same interface as to a handle (cluster/local_server.py). What a server
 sends back per request is described in cluster/engine_host.py; how a generation request
-waits for it in cluster/server_calls.py.
+waits for it, and what a replica that dies under it becomes, in cluster/server_calls.py.
 While a model has no replica up, /health and new requests answer 503 without waiting on
 Serve (cluster/replica_watch.py).
 
@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import TaskCancelledError
+from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
@@ -46,6 +46,7 @@ from cluster.replica_watch import (
     ReplicaWatch,
     cancel_call,
     no_replica,
+    replica_lost,
 )
 from cluster.server_calls import ServerStream, first_reply
 from cluster.tenants import DEFAULT_TENANT, TenantResolver
@@ -214,7 +215,11 @@ class OpenAIIngress:
             parsed = await self._parse_body(request, kind)
             model = self.router.name_for(parsed.model)
             await self._wait_for_replica(model)
-            result = await getattr(self.router.servers[model], kind).remote(parsed)
+            try:
+                result = await getattr(self.router.servers[model], kind).remote(parsed)
+            except RayActorError as e:
+                self.watches[model].saw_loss()
+                raise replica_lost(model, e) from None
             if isinstance(result, APIError):
                 raise result
         except APIError as e:

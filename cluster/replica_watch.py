@@ -30,13 +30,24 @@ from typing import Any
 from engine.api.errors import APIError
 
 RETRY_AFTER_S = 1
-"""Retry-After of a 503 while no replica is up (the wait for one is the bound's)."""
+"""Retry-After of a 503 for a lost replica: another replica may take the retry at once."""
 
 PROBE_TIMEOUT_S = 0.9
 """How long a health probe waits for a replica: /health answers within a second."""
 
 PROBE_INTERVAL_S = 0.5
 """Pause between probes while no replica of a model is known to be up."""
+
+
+def replica_lost(model: str, error: BaseException) -> APIError:
+    """503 for a request whose replica died under it (Ray's actor errors)."""
+    return APIError(
+        f"the replica serving model `{model}` stopped while it ran this request "
+        f"({type(error).__name__}); retry it",
+        503,
+        code="replica_unavailable",
+        retry_after_s=RETRY_AFTER_S,
+    )
 
 
 def no_replica(model: str) -> APIError:

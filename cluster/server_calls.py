@@ -3,7 +3,9 @@
 What a server sends back (cluster/engine_host.py): first an `APIError`, a whole response
 (dict) or the prompt tokens (int: a stream has started), then a stream's SSE text and its
 `UsageInfo`. Here the ingress waits for the first reply within the request's time limit
-(and the bound while no replica is up, cluster/replica_watch.py).
+(and the bound while no replica is up, cluster/replica_watch.py), and turns a replica that
+died under the request into what a client can act on: a 503 with Retry-After before the
+response has started, an SSE error event and `[DONE]` after.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from cluster.replica_watch import ReplicaWatch, cancel_call, no_replica
+from cluster.replica_watch import ReplicaWatch, cancel_call, no_replica, replica_lost
 from engine.api.errors import APIError
 from engine.api.responses import UsageInfo
 
@@ -25,9 +28,24 @@ if TYPE_CHECKING:
 async def first_reply(
     server: Any, watch: ReplicaWatch, kind: str, parsed: Any, ctx: RequestContext
 ) -> tuple[Any, Any]:
-    """Send the request to `server` (the model's streaming handle): (its replies, the first)."""
-    replies = server.generate.remote(kind, parsed, ctx)
-    return replies, await _await_first(replies, watch, ctx)
+    """Send the request to `server` (the model's streaming handle): (its replies, the first).
+
+    A stream whose replica died before its first output has sent its client nothing: it
+    is sent once more (Serve's handle picks a live replica, or waits for one within the
+    watch's bound). A request sent whole may have run for a while on the replica that
+    died: it is a 503 with Retry-After, and the client decides.
+    """
+    attempts = 2 if getattr(parsed, "stream", False) else 1
+    for attempt in range(attempts):
+        replies = server.generate.remote(kind, parsed, ctx)
+        try:
+            return replies, await _await_first(replies, watch, ctx)
+        except RayActorError as e:
+            cancel_call(replies)
+            watch.saw_loss()
+            if attempt + 1 == attempts:
+                raise replica_lost(watch.model, e) from None
+    raise AssertionError("unreachable")
 
 
 async def _await_first(replies: Any, watch: ReplicaWatch, ctx: RequestContext) -> Any:
@@ -68,7 +86,7 @@ class ServerStream:
     """A server's stream of SSE text, which ends with its `UsageInfo`. Cut short, it still
     knows its prompt tokens (the server's first item) and counts each chunk it passed on as
     one generated token (a chunk holds one or more), so a tenant is charged for a stream
-    its client left."""
+    its client left. A replica that dies under it ends it with an SSE error event."""
 
     def __init__(self, replies: Any, prompt_tokens: int, watch: ReplicaWatch) -> None:
         self.replies = replies
@@ -80,14 +98,22 @@ class ServerStream:
 
     async def events(self):
         watch = self.watch
-        async for item in self.replies:
-            if not watch.up:  # a replica streams: one is up
-                watch.saw_reply()
-            if isinstance(item, UsageInfo):
-                self.usage = item
-            else:
-                self.chunks += 1
-                yield item
+        try:
+            async for item in self.replies:
+                if not watch.up:  # a replica streams: one is up
+                    watch.saw_reply()
+                if isinstance(item, UsageInfo):
+                    self.usage = item
+                else:
+                    self.chunks += 1
+                    yield item
+        except RayActorError as e:
+            # Here, not at the top: the module's import loads torch (tests/unit/test_import_cost.py).
+            from engine.api.stream import DONE, sse_error
+
+            watch.saw_loss()
+            yield sse_error(replica_lost(watch.model, e).to_response().model_dump())
+            yield DONE
 
     def close(self) -> tuple[int, int]:
         """Abort the server's call unless it ended; (prompt, completion) tokens, once."""
