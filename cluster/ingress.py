@@ -19,6 +19,7 @@ modules load when a replica starts.
 import asyncio
 import contextvars
 import importlib.metadata
+import logging
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
@@ -39,7 +41,12 @@ from cluster.http_app import (
     error_response,
 )
 from cluster.local_server import LocalServer, colocated_capacity
-from cluster.metrics import RayMetricsSink, TenantMetrics
+from cluster.metrics import (
+    RayMetricsSink,
+    TenantMetrics,
+    kvray_metrics_text,
+    metrics_notice,
+)
 from cluster.model_router import ModelRouter
 from cluster.replica_watch import (
     RETRY_AFTER_S,
@@ -63,6 +70,8 @@ from engine.observability.hop_trace import hop
 if TYPE_CHECKING:
     from cluster.engine_host import EngineHost
     from engine.api.serving import RequestContext
+
+logger = logging.getLogger("ray.serve")
 
 _REQUEST_TYPES = {
     "completion": CompletionRequest,
@@ -129,6 +138,11 @@ class OpenAIIngress:
         # With API keys the tenants are the keys' (a bounded set); without, any header value.
         named = None if config.api_keys else {*config.tenants, DEFAULT_TENANT}
         self.tenant_metrics = TenantMetrics(RayMetricsSink(), named)
+        try:
+            self.app_name: str | None = serve.get_replica_context().app_name
+        except RayServeException:  # built outside Serve (tests)
+            self.app_name = None
+        logger.info(metrics_notice())
 
     def __serve_build_asgi_app__(self) -> HotRoutes:
         """The replica's HTTP app (Serve calls this once __init__ has returned)."""
@@ -139,6 +153,7 @@ class OpenAIIngress:
                 # `:path`: served names may hold slashes (meta-llama/Llama-3.1-8B).
                 ("GET", "/v1/models/{model_id:path}"): self.model,
                 ("GET", "/version"): self.version,
+                ("GET", "/metrics"): self.metrics,
                 ("POST", "/v1/completions"): self.completions,
                 ("POST", "/v1/chat/completions"): self.chat_completions,
                 ("POST", "/tokenize"): self.tokenize,
@@ -195,6 +210,12 @@ class OpenAIIngress:
 
     async def version(self) -> JSONResponse:
         return JSONResponse({"version": importlib.metadata.version("kvray")})
+
+    async def metrics(self) -> Response:
+        """The app's kvray metrics, Prometheus text: every Ray node's `ray_kvray_*` series
+        (cluster/metrics.py), the names and labels the dashboard queries."""
+        text = await kvray_metrics_text(self.app_name)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
