@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import RayServeException
@@ -55,15 +54,10 @@ from cluster.replica_watch import (
     no_replica,
     replica_lost,
 )
+from cluster.request_bodies import REQUEST_MODELS, parse_body, publish_request_bodies, read_body
 from cluster.server_calls import ServerStream, first_reply
 from cluster.tenants import DEFAULT_TENANT, TenantResolver
-from engine.api.errors import APIError, quoted_names, validation_error
-from engine.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from engine.api.errors import APIError, quoted_names
 from engine.observability.gc_pauses import tune_for_serving
 from engine.observability.hop_trace import hop
 
@@ -72,14 +66,6 @@ if TYPE_CHECKING:
     from engine.api.serving import RequestContext
 
 logger = logging.getLogger("ray.serve")
-
-_REQUEST_TYPES = {
-    "completion": CompletionRequest,
-    "chat": ChatCompletionRequest,
-    "tokenize": TokenizeRequest,
-    "detokenize": DetokenizeRequest,
-}
-
 
 CLIENT_GONE = 499
 """The status a request whose client went away is counted under (nginx's, and Serve's)."""
@@ -160,6 +146,13 @@ class OpenAIIngress:
                 ("POST", "/detokenize"): self.detokenize,
             }
         )
+        kinds = {
+            "/v1/completions": "completion",
+            "/v1/chat/completions": "chat",
+            "/tokenize": "tokenize",
+            "/detokenize": "detokenize",
+        }
+        publish_request_bodies(fastapi_app, {p: REQUEST_MODELS[k] for p, k in kinds.items()})
         hot = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
         return HotRoutes(hot, fastapi_app)
 
@@ -301,33 +294,8 @@ class OpenAIIngress:
 
     async def _parse_body(self, request: Request, kind: str) -> Any:
         """The body as `kind`'s request model; APIError (413, 400 naming the field) if not."""
-        body = await self._read_body(request)
-        try:
-            parsed = _REQUEST_TYPES[kind].model_validate_json(body)
-        except ValidationError as e:
-            raise validation_error(e) from None
-        limit = self.config.max_completion_prompts
-        if kind == "completion" and parsed.several_prompts and len(parsed.prompt) > limit:
-            raise APIError(
-                f"prompt holds {len(parsed.prompt)} prompts; this server takes at most {limit} "
-                "in one request (max_completion_prompts)",
-                param="prompt",
-            )
-        return parsed
-
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.config.max_request_body_bytes
-        too_large = APIError(f"request body is larger than {limit} bytes", 413)
-        length = request.headers.get("content-length")
-        # isdecimal() alone passes non-ASCII digits that int() may refuse ("²").
-        if length is not None and length.isascii() and length.isdecimal() and int(length) > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        return bytes(body)
+        body = await read_body(request, self.config.max_request_body_bytes)
+        return parse_body(body, kind, self.config.max_completion_prompts)
 
     async def _acquire(self, tenant: str) -> str | None:
         if self.limiter is None or not self.config.tenant(tenant).has_limits:

@@ -1,10 +1,15 @@
 """A real Serve app's HTTP routes beside OpenAI's: GET /metrics, the series Prometheus
-would scrape from Ray's metrics export, on the HTTP port where vLLM's users look."""
+would scrape from Ray's metrics export, on the HTTP port where vLLM's users look; and
+/openapi.json, whose request-body schemas are the protocol's models, held to by a small
+fuzz: bodies built from the published schemas, valid and broken, never get a 5xx."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -12,6 +17,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import KVRAY_SERIES_PREFIX, merge_kvray_series
+from cluster.request_bodies import REQUEST_MODELS
 from tests.ingress_outside_serve import build_ingress, outside_serve  # noqa: F401 (a fixture)
 from tests.serve.test_serve_support import delete_app, run_app
 
@@ -126,3 +132,129 @@ def test_an_ingress_logs_where_the_metrics_and_the_dashboard_are(monkeypatch):
     monkeypatch.setattr(cluster.ingress.logger, "info", lambda message: logged.append(message))
     asyncio.run(build_ingress(LocalServer(object(), 1), load_app_config({})))
     assert any("GET /metrics" in m and "grafana/kvray-dashboard.json" in m for m in logged)
+
+
+POSTS = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+
+
+@pytest.fixture(scope="module")
+def openapi(url) -> dict:
+    r = httpx.get(f"{url}/openapi.json", timeout=30)
+    assert r.status_code == 200
+    return r.json()
+
+
+def _body_schema(document: dict, path: str) -> dict:
+    body = document["paths"][path]["post"]["requestBody"]
+    assert body["required"] is True
+    return body["content"]["application/json"]["schema"]
+
+
+def _resolve(document: dict, schema: dict) -> dict:
+    while "$ref" in schema:
+        schema = document["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    return schema
+
+
+def test_every_post_path_publishes_its_request_model(openapi):
+    posts = {path for path, ops in openapi["paths"].items() if "post" in ops}
+    assert posts == POSTS
+    models = {model.__name__: model for model in REQUEST_MODELS.values()}
+    for path in posts:
+        ref = _body_schema(openapi, path)["$ref"]
+        model = models[ref.rsplit("/", 1)[1]]
+        schema = _resolve(openapi, {"$ref": ref})
+        required = {f.alias or name for name, f in model.model_fields.items() if f.is_required()}
+        assert set(schema.get("required", [])) == required, path
+        assert set(schema["properties"]) >= required and schema["additionalProperties"] is False
+    assert _resolve(openapi, _body_schema(openapi, "/v1/chat/completions"))["required"] == [
+        "messages"
+    ]
+
+
+class _Bodies:
+    """Request bodies from a published JSON schema: small values (a few tokens to
+    generate), and broken copies of them."""
+
+    def __init__(self, document: dict, seed: int) -> None:
+        self.document = document
+        self.rng = random.Random(seed)
+
+    def valid(self, schema: dict, depth: int = 0) -> Any:
+        rng = self.rng
+        schema = _resolve(self.document, schema)
+        if "const" in schema:
+            return schema["const"]
+        if "enum" in schema:
+            return rng.choice(schema["enum"])
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return self.valid(rng.choice(schema[key]), depth)
+        kind = schema.get("type")
+        if kind == "object":
+            fields = schema.get("properties", {})
+            chosen = set(schema.get("required", []))
+            if depth < 3:
+                chosen |= set(rng.sample(sorted(fields), min(len(fields), rng.randint(0, 3))))
+            return {name: self.valid(fields[name], depth + 1) for name in chosen}
+        if kind == "array":
+            least = schema.get("minItems", 0)
+            count = rng.randint(least, max(least, 2)) if depth < 4 else least
+            return [self.valid(schema.get("items", {}), depth + 1) for _ in range(count)]
+        if kind == "string":
+            return rng.choice(["", "hi", "Hello there", "{", "a b c"])[: schema.get("maxLength")]
+        if kind == "integer":
+            low = schema.get("minimum", -1)
+            return rng.randint(low, min(schema.get("maximum", low + 5), low + 5))
+        if kind == "number":
+            return round(rng.uniform(schema.get("minimum", -1.0), schema.get("maximum", 2.0)), 2)
+        if kind == "boolean":
+            return rng.choice([True, False])
+        if kind == "null":
+            return None
+        return rng.choice([1, "x", None, [], {}])
+
+    def broken(self, body: dict, schema: dict) -> Any:
+        rng = self.rng
+        schema = _resolve(self.document, schema)
+        body = dict(body)
+        how = rng.choice(["drop", "extra", "retype", "top", "text"])
+        if how == "drop" and schema.get("required"):
+            body.pop(rng.choice(schema["required"]))
+        elif how == "retype" and body:
+            body[rng.choice(sorted(body))] = rng.choice([[{}], {"x": 1}, "x", 1.5, -7, True])
+        elif how == "top":
+            return rng.choice([[], "x", 3, None, [body]])
+        elif how == "text":
+            return json.dumps(body)[: rng.randint(0, 20)]
+        else:
+            body["not_a_field"] = 1
+        return body
+
+
+def _small(path: str, body: dict) -> dict:
+    """A valid body that names the served model (or none) and generates a few tokens."""
+    body.pop("model", None)
+    if path in ("/v1/completions", "/v1/chat/completions"):
+        body["max_tokens"] = body.get("max_tokens") and min(max(body["max_tokens"], 1), 4) or 2
+        body.pop("max_completion_tokens", None)
+    if path == "/tokenize" and not {"prompt", "messages"} & body.keys():
+        body["prompt"] = "hi"  # one of the two, which the schema cannot say
+    return body
+
+
+def test_generated_bodies_never_get_a_server_error(url, openapi):
+    bodies = _Bodies(openapi, seed=0)
+    sent: list[tuple[str, Any, int]] = []
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for path in sorted(POSTS):
+            schema = _body_schema(openapi, path)
+            for _ in range(8):
+                body = _small(path, bodies.valid(schema))
+                for sending in (body, bodies.broken(body, schema)):
+                    content = sending if isinstance(sending, str) else json.dumps(sending)
+                    r = client.post(path, content=content)
+                    sent.append((path, sending, r.status_code))
+    failed = [s for s in sent if s[2] >= 500]
+    assert not failed, failed
+    assert {code for _, _, code in sent} & {200} and {code for _, _, code in sent} & {400}
