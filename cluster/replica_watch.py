@@ -30,7 +30,8 @@ from typing import Any
 from engine.api.errors import APIError
 
 RETRY_AFTER_S = 1
-"""Retry-After of a 503 for a lost replica: another replica may take the retry at once."""
+"""Retry-After of these 503s: another replica may take the retry at once, and while none
+is up the retry itself waits out no_replica_wait_s."""
 
 PROBE_TIMEOUT_S = 0.9
 """How long a health probe waits for a replica: /health answers within a second."""
