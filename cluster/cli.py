@@ -122,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from cluster.deployments import build_openai_app
+    from cluster.metrics import metrics_notice
 
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
+    url = f"http://{args.host}:{args.port}"
+    print(f"kvray: OpenAI's API at {url}/v1; {metrics_notice(url)}", flush=True)
     try:
         serve.run(build_openai_app(config), name=args.name, route_prefix="/", blocking=True)
     except KeyboardInterrupt:

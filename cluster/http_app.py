@@ -11,7 +11,7 @@ other route, and every other method on those paths, goes through FastAPI.
 # string annotations of these closures' types would not resolve.
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,17 +28,22 @@ logger = logging.getLogger("ray.serve")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def error_response(e: APIError) -> JSONResponse:
+def error_response(e: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """`e` as OpenAI's error body; `headers` go out beside its own (Retry-After)."""
     return JSONResponse(
-        e.to_response().model_dump(mode="json"), status_code=e.status_code, headers=e.headers()
+        e.to_response().model_dump(mode="json"),
+        status_code=e.status_code,
+        headers={**(headers or {}), **e.headers()},
     )
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
     code = "not_found" if exc.status_code == 404 else None
+    # A 405's `Allow` (the methods the path takes) is in exc.headers.
     return error_response(
-        APIError(f"{message}: {request.method} {request.url.path}", exc.status_code, code=code)
+        APIError(f"{message}: {request.method} {request.url.path}", exc.status_code, code=code),
+        exc.headers,
     )
 
 

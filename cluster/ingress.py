@@ -5,7 +5,10 @@ request validation, turning the servers' replies into responses. It picks a mode
 server (an LLMServer handle, cluster/engine_host.py) by the request's `model`
 (cluster/model_router.py); with `colocate_ingress` it holds the engine itself and talks to
 it through the same interface as to a handle (cluster/local_server.py). What a server
-sends back per request is described in cluster/engine_host.py.
+sends back per request is described in cluster/engine_host.py; how a generation request
+waits for it, and what a replica that dies under it becomes, in cluster/server_calls.py.
+While a model has no replica up, /health and new requests answer 503 without waiting on
+Serve (cluster/replica_watch.py).
 
 Importing this module loads no torch (tests/unit/test_import_cost.py): the engine's
 modules load when a replica starts.
@@ -16,16 +19,16 @@ modules load when a replica starts.
 import asyncio
 import contextvars
 import importlib.metadata
+import logging
 import re
 import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import TaskCancelledError
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError, TaskCancelledError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
@@ -37,17 +40,24 @@ from cluster.http_app import (
     error_response,
 )
 from cluster.local_server import LocalServer, colocated_capacity
-from cluster.metrics import RayMetricsSink, TenantMetrics
-from cluster.model_router import ModelRouter
-from cluster.tenants import DEFAULT_TENANT, TenantResolver
-from engine.api.errors import APIError, validation_error
-from engine.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
+from cluster.metrics import (
+    RayMetricsSink,
+    TenantMetrics,
+    kvray_metrics_text,
+    metrics_notice,
 )
-from engine.api.responses import UsageInfo
+from cluster.model_router import ModelRouter
+from cluster.replica_watch import (
+    RETRY_AFTER_S,
+    ReplicaWatch,
+    cancel_call,
+    no_replica,
+    replica_lost,
+)
+from cluster.request_bodies import REQUEST_MODELS, parse_body, publish_request_bodies, read_body
+from cluster.server_calls import ServerStream, first_reply
+from cluster.tenants import DEFAULT_TENANT, TenantResolver
+from engine.api.errors import APIError, quoted_names
 from engine.observability.gc_pauses import tune_for_serving
 from engine.observability.hop_trace import hop
 
@@ -55,13 +65,7 @@ if TYPE_CHECKING:
     from cluster.engine_host import EngineHost
     from engine.api.serving import RequestContext
 
-_REQUEST_TYPES = {
-    "completion": CompletionRequest,
-    "chat": ChatCompletionRequest,
-    "tokenize": TokenizeRequest,
-    "detokenize": DetokenizeRequest,
-}
-
+logger = logging.getLogger("ray.serve")
 
 CLIENT_GONE = 499
 """The status a request whose client went away is counted under (nginx's, and Serve's)."""
@@ -75,14 +79,6 @@ def client_request_id(headers: Any) -> str | None:
     without spaces, at most 128 characters; else None."""
     value = headers.get("x-request-id")
     return value if value is not None and _REQUEST_ID.fullmatch(value) else None
-
-
-def _cancel(replies: Any) -> None:
-    """Best-effort cancel of a server call (frees the engine's request if still running)."""
-    try:
-        replies.cancel()
-    except Exception:
-        pass
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -113,12 +109,26 @@ class OpenAIIngress:
         servers = server if isinstance(server, dict) else {config.served_name: server}
         aliases = {name: c.served_name for c in config.model_configs() for name in c.served_names}
         self.router = ModelRouter(servers, aliases)
+        # A model that may scale to zero waits for its first replica: a request starts it.
+        waits = {
+            c.served_name: None if c.min_replicas == 0 else config.no_replica_wait_s
+            for c in config.model_configs()
+        }
+        self.watches = {
+            name: ReplicaWatch(name, handle, waits.get(name, config.no_replica_wait_s))
+            for name, handle in servers.items()
+        }
         self.config = config
         self.limiter = limiter
         self.resolver = TenantResolver(config.api_keys, config.tenants)
         # With API keys the tenants are the keys' (a bounded set); without, any header value.
         named = None if config.api_keys else {*config.tenants, DEFAULT_TENANT}
         self.tenant_metrics = TenantMetrics(RayMetricsSink(), named)
+        try:
+            self.app_name: str | None = serve.get_replica_context().app_name
+        except RayServeException:  # built outside Serve (tests)
+            self.app_name = None
+        logger.info(metrics_notice())
 
     def __serve_build_asgi_app__(self) -> HotRoutes:
         """The replica's HTTP app (Serve calls this once __init__ has returned)."""
@@ -129,12 +139,20 @@ class OpenAIIngress:
                 # `:path`: served names may hold slashes (meta-llama/Llama-3.1-8B).
                 ("GET", "/v1/models/{model_id:path}"): self.model,
                 ("GET", "/version"): self.version,
+                ("GET", "/metrics"): self.metrics,
                 ("POST", "/v1/completions"): self.completions,
                 ("POST", "/v1/chat/completions"): self.chat_completions,
                 ("POST", "/tokenize"): self.tokenize,
                 ("POST", "/detokenize"): self.detokenize,
             }
         )
+        kinds = {
+            "/v1/completions": "completion",
+            "/v1/chat/completions": "chat",
+            "/tokenize": "tokenize",
+            "/detokenize": "detokenize",
+        }
+        publish_request_bodies(fastapi_app, {p: REQUEST_MODELS[k] for p, k in kinds.items()})
         hot = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
         return HotRoutes(hot, fastapi_app)
 
@@ -151,8 +169,23 @@ class OpenAIIngress:
             self.host.shutdown()
 
     async def health(self) -> Response:
-        healthy = await self.router.healthy(timeout_s=10)
-        return Response(status_code=200 if healthy else 503)
+        """200 once every model's server answers healthy within a second; 503 at once
+        while a model has no replica known to be up."""
+        watches = list(self.watches.values())
+        down = [w.model for w in watches if not w.up]
+        if not down:
+            answers = await asyncio.gather(*(w.probe() for w in watches))
+            down = [w.model for w, healthy in zip(watches, answers) if not healthy]
+        if down:
+            return error_response(
+                APIError(
+                    f"no healthy replica of {quoted_names(down)}",
+                    503,
+                    code="unhealthy",
+                    retry_after_s=RETRY_AFTER_S,
+                )
+            )
+        return JSONResponse({"status": "healthy", "models": self.router.names})
 
     async def models(self, request: Request) -> JSONResponse:
         try:
@@ -171,6 +204,12 @@ class OpenAIIngress:
     async def version(self) -> JSONResponse:
         return JSONResponse({"version": importlib.metadata.version("kvray")})
 
+    async def metrics(self) -> Response:
+        """The app's kvray metrics, Prometheus text: every Ray node's `ray_kvray_*` series
+        (cluster/metrics.py), the names and labels the dashboard queries."""
+        text = await kvray_metrics_text(self.app_name)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
@@ -188,7 +227,13 @@ class OpenAIIngress:
         try:
             self.resolver.resolve(request.headers)
             parsed = await self._parse_body(request, kind)
-            result = await getattr(self.router.server(parsed.model), kind).remote(parsed)
+            model = self.router.name_for(parsed.model)
+            await self._wait_for_replica(model)
+            try:
+                result = await getattr(self.router.servers[model], kind).remote(parsed)
+            except RayActorError as e:
+                self.watches[model].saw_loss()
+                raise replica_lost(model, e) from None
             if isinstance(result, APIError):
                 raise result
         except APIError as e:
@@ -209,6 +254,7 @@ class OpenAIIngress:
             hop("parsed")
             model_name = self.router.name_for(parsed.model)
             server = self.router.stream(model_name)
+            await self._wait_for_replica(model_name)
             lease = await self._acquire(tenant.name)
             timeout = tenant.config.time_limit_s(self.config.request_timeout_s)
             ctx = self.request_context_type(
@@ -240,35 +286,16 @@ class OpenAIIngress:
         self.tenant_metrics.request_done(model_name, tenant_name, response.status_code)
         return response
 
+    async def _wait_for_replica(self, model: str) -> None:
+        """Return once `model` has a replica known to be up; 503 past the app's bound."""
+        watch = self.watches[model]
+        if not watch.up and not await watch.wait_up():
+            raise no_replica(model)
+
     async def _parse_body(self, request: Request, kind: str) -> Any:
         """The body as `kind`'s request model; APIError (413, 400 naming the field) if not."""
-        body = await self._read_body(request)
-        try:
-            parsed = _REQUEST_TYPES[kind].model_validate_json(body)
-        except ValidationError as e:
-            raise validation_error(e) from None
-        limit = self.config.max_completion_prompts
-        if kind == "completion" and parsed.several_prompts and len(parsed.prompt) > limit:
-            raise APIError(
-                f"prompt holds {len(parsed.prompt)} prompts; this server takes at most {limit} "
-                "in one request (max_completion_prompts)",
-                param="prompt",
-            )
-        return parsed
-
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.config.max_request_body_bytes
-        too_large = APIError(f"request body is larger than {limit} bytes", 413)
-        length = request.headers.get("content-length")
-        # isdecimal() alone passes non-ASCII digits that int() may refuse ("²").
-        if length is not None and length.isascii() and length.isdecimal() and int(length) > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        return bytes(body)
+        body = await read_body(request, self.config.max_request_body_bytes)
+        return parse_body(body, kind, self.config.max_completion_prompts)
 
     async def _acquire(self, tenant: str) -> str | None:
         if self.limiter is None or not self.config.tenant(tenant).has_limits:
@@ -302,35 +329,13 @@ class OpenAIIngress:
         tenant: str,
     ) -> Response:
         """`server`: the streaming handle of the request's model."""
-        replies = server.generate.remote(kind, parsed, ctx)
-        try:
-            remaining = None if ctx.deadline is None else max(0.0, ctx.deadline - time.time())
-            async with asyncio.timeout(remaining):
-                first = await replies.__anext__()
-        except BackPressureError:
-            # Never assigned to a replica: nothing to cancel (cancel() would raise it again).
-            raise APIError(
-                "the server is at capacity (max_queued_requests): retry shortly",
-                429,
-                code="server_overloaded",
-                retry_after_s=1,
-            ) from None
-        except TimeoutError:
-            _cancel(replies)
-            raise APIError(
-                "the request waited past its time limit (request_timeout_s) and was aborted",
-                408,
-                code="request_timeout",
-            ) from None
-        except BaseException:
-            # The client went away (cancellation) or the server failed: abort downstream.
-            _cancel(replies)
-            raise
+        watch = self.watches[model]
+        replies, first = await first_reply(server, watch, kind, parsed, ctx)
         if isinstance(first, APIError):
-            _cancel(replies)
+            cancel_call(replies)
             raise first
         if isinstance(first, dict):
-            _cancel(replies)
+            cancel_call(replies)
             usage = first.get("usage", {})
             self._charge(
                 lease,
@@ -340,7 +345,7 @@ class OpenAIIngress:
                 usage.get("completion_tokens", 0),
             )
             return JSONResponse(first)
-        stream = _ServerStream(replies, prompt_tokens=first)
+        stream = ServerStream(replies, first, watch)
         # From here the response owns the slot: it gives it back when the stream ends,
         # however it ends (also when the client leaves before the first byte is sent).
         return ClosingStreamingResponse(
@@ -355,35 +360,3 @@ class OpenAIIngress:
         """A request has ended: charge its tokens to its tenant and give back its slot."""
         self._release(lease, prompt_tokens + completion_tokens)
         self.tenant_metrics.tokens(model, tenant, prompt_tokens, completion_tokens)
-
-
-class _ServerStream:
-    """A server's stream of SSE text, which ends with its `UsageInfo`. Cut short, it still
-    knows its prompt tokens (the server's first item) and counts each chunk it passed on as
-    one generated token (a chunk holds one or more), so a tenant is charged for a stream
-    its client left."""
-
-    def __init__(self, replies: Any, prompt_tokens: int) -> None:
-        self.replies = replies
-        self.prompt_tokens = prompt_tokens
-        self.chunks = 0
-        self.usage: UsageInfo | None = None
-        self.closed = False
-
-    async def events(self):
-        async for item in self.replies:
-            if isinstance(item, UsageInfo):
-                self.usage = item
-            else:
-                self.chunks += 1
-                yield item
-
-    def close(self) -> tuple[int, int]:
-        """Abort the server's call unless it ended; (prompt, completion) tokens, once."""
-        if self.closed:
-            return 0, 0
-        self.closed = True
-        if self.usage is None:
-            _cancel(self.replies)
-            return self.prompt_tokens, self.chunks
-        return self.usage.prompt_tokens, self.usage.completion_tokens

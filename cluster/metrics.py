@@ -12,12 +12,20 @@ the driver never reaches the exporter.
 Ray's agent drops a gauge value that its process has not set again within two report
 intervals (so a dead replica's gauges vanish); `RayMetricsSink` therefore sets its gauges
 again every `refresh_interval_s` from a daemon thread, so an idle engine stays visible.
+
+The ingress serves them at GET /metrics too, where vLLM's users look (`kvray_metrics_text`):
+it reads every node's export and keeps the app's `ray_kvray_*` series, so a scrape of the
+HTTP port yields the series (names and labels) the dashboard and the alerts query.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import re
 import threading
-from collections.abc import Collection, Mapping
+import urllib.request
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from engine.observability.metrics import METRICS
@@ -115,3 +123,77 @@ class ReplicaReadiness:
 
     def set(self, ready: bool) -> None:
         self.sink.set("kvray_replica_ready", 1.0 if ready else 0.0, self.labels)
+
+
+KVRAY_SERIES_PREFIX = "ray_kvray_"
+"""kvray's metrics as Ray's export names them."""
+
+
+def metrics_notice(base_url: str | None = None) -> str:
+    """Where a running app's metrics and the Grafana dashboard are (logged at start)."""
+    where = f"{base_url}/metrics" if base_url else "GET /metrics on the app's HTTP port"
+    return (
+        f"Prometheus metrics: {where} (ray_kvray_*, also at each Ray node's metrics export "
+        "port); Grafana dashboard: grafana/kvray-dashboard.json (docs/monitoring.md)"
+    )
+
+
+_APPLICATION = re.compile(r'[{,]application="((?:[^"\\]|\\.)*)"')
+
+logger = logging.getLogger("ray.serve")
+
+
+async def kvray_metrics_text(application: str | None, timeout_s: float = 5.0) -> str:
+    """The `ray_kvray_*` series of every live Ray node's metrics export, Prometheus text,
+    without those of other Serve applications than `application` (None: keep all)."""
+    import ray
+
+    nodes = await asyncio.to_thread(ray.nodes)
+    urls = [
+        f"http://{_host(node['NodeManagerAddress'])}:{node['MetricsExportPort']}/metrics"
+        for node in nodes
+        if node.get("Alive") and node.get("MetricsExportPort")
+    ]
+    texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url, timeout_s) for url in urls))
+    return merge_kvray_series(texts, application)
+
+
+def merge_kvray_series(texts: Iterable[str], application: str | None) -> str:
+    """The kvray families of several exports as one exposition: each family's HELP and
+    TYPE once, then its samples from every export (a node's labels tell them apart)."""
+    helps: dict[str, str] = {}
+    types: dict[str, str] = {}
+    samples: dict[str, list[str]] = {}
+    for text in texts:
+        family = None  # the family the export's samples now belong to
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2] if parts[2].startswith(KVRAY_SERIES_PREFIX) else None
+                    if family is not None:
+                        (helps if parts[1] == "HELP" else types).setdefault(family, line)
+                        samples.setdefault(family, [])
+                continue
+            if family is None or not line.startswith(KVRAY_SERIES_PREFIX):
+                continue
+            found = _APPLICATION.search(line)
+            if application is None or found is None or found.group(1) == application:
+                samples[family].append(line)
+    lines = []
+    for family, found in samples.items():
+        lines += [h for h in (helps.get(family), types.get(family)) if h is not None] + found
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _fetch(url: str, timeout_s: float) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.read().decode("utf-8", "replace")
+    except OSError as e:
+        logger.warning("could not read the Ray metrics export at %s: %s", url, e)
+        return ""

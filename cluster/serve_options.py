@@ -68,6 +68,10 @@ class ServeOptions(BaseModel):
     X-Tenant-Id header (or "default")."""
     request_timeout_s: float | None = Field(default=600.0, gt=0)
     """A request still running after this long is aborted (its KV freed) with a 408."""
+    no_replica_wait_s: float | None = Field(default=5.0, gt=0)
+    """While no replica of a model is up (all died; Serve is starting new ones), a request
+    waits this long for one, then gets 503 with Retry-After; none/null: it waits as long
+    as it takes. Models with min_replicas 0 always wait (a request starts their replica)."""
     max_request_body_bytes: int = Field(default=8 << 20, gt=0)
     """Larger request bodies get 413 before they are read."""
     max_completion_prompts: int = Field(default=1024, gt=0)

@@ -112,3 +112,11 @@ def test_handlers_registered_on_the_app_apply_to_both_paths():
     assert (hot.status_code, hot.text) == (503, "busy")
     routed = _call(app, "GET", "/busy")
     assert (routed.status_code, routed.text) == (503, "busy")
+
+
+def test_a_405_names_the_methods_the_path_takes_in_allow():
+    app, _ = _app()
+    wrong_method = _call(app, "GET", "/v1/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["type"] == "MethodNotAllowedError"
