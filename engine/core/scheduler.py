@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache import KVCacheManager
@@ -130,68 +131,80 @@ class Scheduler:
             return 0.0
         return 1.0 - sum(r.num_computed_tokens for r in self.running) / num_slots
 
-    # -- one step ---------------------------------------------------------------------------
-
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        budget = self.config.max_num_batched_tokens
-        prefill_budget = self._prefill_budget()
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        prefilling: set[str] = set()
-        preempted = False
-        max_seqs = self._max_seqs_this_step()
+        step = _StepBudget(
+            tokens=self.config.max_num_batched_tokens,
+            prefill_tokens=self._prefill_budget(),
+            max_seqs=self._max_seqs_this_step(),
+        )
+        self._schedule_running(step)
+        scheduled_running = [self.requests[r] for r in step.num_scheduled]
+        # A step that had to preempt is short of blocks: admitting now would only thrash.
+        scheduled_new = [] if step.preempted else self._admit_waiting(step)
 
+        output = SchedulerOutput(
+            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
+            scheduled_cached_reqs=[
+                self._cached_request_data(r, step.new_block_ids[r.request_id])
+                for r in scheduled_running
+            ],
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._finished_req_ids = set()
+        # Advance now, as if the step already ran: update_from_output only appends tokens.
+        for req_id, n in step.num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
+        return output
+
+    def _schedule_running(self, step: _StepBudget) -> None:
+        """Give the running requests their tokens in order, preempting from the back of the
+        queue (the policy's victim) when blocks run out."""
+        kv = self.kv_cache_manager
         i = 0
-        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_seqs:
+        while i < len(self.running) and step.tokens > 0 and len(step.num_scheduled) < step.max_seqs:
             request = self.running[i]
             num_wanted = self._num_wanted(request)
-            num_new = min(num_wanted, budget)
+            num_new = min(num_wanted, step.tokens)
             is_prefill = num_wanted > 1 or request.num_computed_tokens < request.num_prompt_tokens
             if is_prefill:
-                num_new = min(num_new, prefill_budget)
+                num_new = min(num_new, step.prefill_tokens)
             if num_new == 0:
                 i += 1
                 continue
             while (block_ids := kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
-                if victim.request_id in num_scheduled:
-                    refund = num_scheduled.pop(victim.request_id)
-                    budget += refund
-                    if victim.request_id in prefilling:
-                        prefilling.discard(victim.request_id)
-                        prefill_budget += refund
-                    new_block_ids.pop(victim.request_id)
+                step.refund(victim.request_id)
                 self._preempt(victim)
-                preempted = True
+                step.preempted = True
                 if victim_index < i:
                     i -= 1
                 if victim is request:
                     break
             if block_ids is None:
                 continue
-            num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = block_ids
-            budget -= num_new
-            if is_prefill:
-                prefilling.add(request.request_id)
-                prefill_budget -= num_new
+            step.take(request.request_id, num_new, is_prefill)
+            step.new_block_ids[request.request_id] = block_ids
             i += 1
-        scheduled_running = [self.requests[r] for r in num_scheduled]
 
-        # A step that had to preempt is short of blocks: admitting now would only thrash.
-        scheduled_new: list[Request] = []
+    def _admit_waiting(self, step: _StepBudget) -> list[Request]:
+        """Admit waiting requests from the head of the queue while the step has room."""
+        kv = self.kv_cache_manager
+        admitted: list[Request] = []
         while (
-            not preempted
-            and self.waiting
-            and min(budget, prefill_budget) > 0
+            self.waiting
+            and min(step.tokens, step.prefill_tokens) > 0
             and len(self.running) < self.config.max_num_seqs
-            and len(num_scheduled) < max_seqs
+            and len(step.num_scheduled) < step.max_seqs
         ):
             request = self.waiting[0]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget, prefill_budget)
+            num_new = min(request.num_tokens - num_hit, step.tokens, step.prefill_tokens)
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # the head of the queue waits for blocks; nothing behind it jumps ahead
             self.waiting.pop(0)
@@ -200,28 +213,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             self.running.append(request)
-            scheduled_new.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            prefill_budget -= num_new
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
-            scheduled_cached_reqs=[
-                self._cached_request_data(r, new_block_ids[r.request_id]) for r in scheduled_running
-            ],
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids,
-        )
-        self._finished_req_ids = set()
-        # Advance now, as if the step already ran: update_from_output only appends tokens.
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples its next token
-        return output
+            admitted.append(request)
+            step.num_scheduled[request.request_id] = num_new
+            step.tokens -= num_new
+            step.prefill_tokens -= num_new
+        return admitted
 
     def defer_finished(self, output: SchedulerOutput) -> None:
         """Send an unlaunched (empty) output's finished ids with the next step instead."""
@@ -370,3 +366,34 @@ class Scheduler:
             new_block_ids=new_block_ids,
             num_computed_tokens=request.num_computed_tokens,
         )
+
+
+@dataclass
+class _StepBudget:
+    """What one step has left to give and what it gave so far."""
+
+    tokens: int
+    prefill_tokens: int
+    max_seqs: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    prefilling: set[str] = field(default_factory=set)
+    preempted: bool = False
+
+    def take(self, request_id: str, num_tokens: int, is_prefill: bool) -> None:
+        self.num_scheduled[request_id] = num_tokens
+        self.tokens -= num_tokens
+        if is_prefill:
+            self.prefilling.add(request_id)
+            self.prefill_tokens -= num_tokens
+
+    def refund(self, request_id: str) -> None:
+        """Give back what a request preempted in this step had been given."""
+        if request_id not in self.num_scheduled:
+            return
+        num_tokens = self.num_scheduled.pop(request_id)
+        self.tokens += num_tokens
+        if request_id in self.prefilling:
+            self.prefilling.discard(request_id)
+            self.prefill_tokens += num_tokens
+        self.new_block_ids.pop(request_id)
