@@ -1,8 +1,9 @@
 """kvray's environment switches, in one table: each one's name, default, reader and purpose.
 
-Every `KVRAY_*` variable that kvray reads is an entry of `SWITCHES`, and code reads it only
-through the entry's accessor below, when the reader needs it (a reader that reads once keeps
-the value; one that reads per call calls again). A top-level module, so that kernels/ can
+Every `KVRAY_*` variable that kvray reads is an entry of `SWITCHES`. Python code reads one
+only through its accessor below, when the reader needs it (a reader that reads once keeps
+the value; one that reads per call calls again); the HAProxy switches are read by
+cluster/haproxy_nosplice.sh, which the table documents. A top-level module, so that kernels/ can
 read its switches without importing the layers above it. docs/configuration.md shows the
 table (docs/draw_configuration.py).
 """
