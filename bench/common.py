@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+import kvray_env
 
 RESULTS = Path(__file__).with_name("results.jsonl")
 
@@ -124,8 +125,8 @@ def hf_model_for(args: argparse.Namespace, dtype: torch.dtype):
 
 
 def git_commit() -> str:
-    if os.environ.get("KVRAY_COMMIT"):
-        return os.environ["KVRAY_COMMIT"]
+    if commit := kvray_env.commit():
+        return commit
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent

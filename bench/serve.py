@@ -34,7 +34,6 @@ import asyncio
 import functools
 import itertools
 import json
-import os
 import random
 import shlex
 import sys
@@ -44,6 +43,8 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+
+import kvray_env
 
 
 @dataclass
@@ -103,9 +104,9 @@ def _lognormal(rng: random.Random, median: int, sigma: float, cap: int) -> int:
 
 @functools.cache
 def _hop() -> Any:
-    """engine.observability.hop_trace.hop where KVRAY_HOP_TRACE is set (it imports the engine), else a no-op:
-    the client's send and first token, beside the server's hops."""
-    if not os.environ.get("KVRAY_HOP_TRACE"):
+    """engine.observability.hop_trace.hop where `kvray_env.HOP_TRACE` is set (it imports the
+    engine), else a no-op: the client's send and first token, beside the server's hops."""
+    if not kvray_env.hop_trace_folder():
         return lambda label: None
     from engine.observability.hop_trace import hop
 

@@ -13,6 +13,7 @@ from typing import Any
 import ray
 import torch
 
+import kvray_env
 from cluster.topology import free_port
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -22,7 +23,7 @@ from engine.worker.loader import ModelSource
 from engine.worker.model_runner import PendingRunnerOutput
 from engine.worker.worker import Worker
 
-FORWARDED_ENV = ("KVRAY_PROFILE_STEPS", "KVRAY_NCCL_ONLY", "KVRAY_TORCH_KERNELS")
+FORWARDED_ENV = kvray_env.FORWARDED_TO_RANKS
 """kvray's switches that reach the workers from the process that starts them, also on a
 cluster whose raylets were started without them."""
 

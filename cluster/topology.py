@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+import kvray_env
+
 DEFAULT_GCS_PORT = 6379
 DEFAULT_METRICS_PORT = 8080
 
@@ -114,7 +116,7 @@ DIRECT_INGRESS_ENV = {
     "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "haproxy_nosplice.sh"
     ),
-    "KVRAY_HAPROXY_BINARY": _bundled_haproxy(),
+    kvray_env.HAPROXY_BINARY.name: _bundled_haproxy(),
 }
 
 

@@ -20,7 +20,9 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", protected_namespaces=(), use_attribute_docstrings=True
+    )
 
 
 class ModelConfig(_Frozen):

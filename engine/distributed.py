@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import kvray_env
+
 logger = logging.getLogger(__name__)
 
 SYMMETRIC_ALL_REDUCE_MAX_BYTES = 2 << 20
@@ -206,10 +208,10 @@ def init_symmetric_all_reduce(
 
     Collective over the group: call on every rank after its CUDA device is set. Falls back
     to NCCL (returns False) when the GPUs cannot map each other's memory, when a rank sees
-    only its own GPU, or when KVRAY_NCCL_ONLY=1.
+    only its own GPU, or with the switch `kvray_env.NCCL_ONLY` on.
     """
     global _symmetric
-    if _state.tp_size == 1 or device.type != "cuda" or os.environ.get("KVRAY_NCCL_ONLY") == "1":
+    if _state.tp_size == 1 or device.type != "cuda" or kvray_env.nccl_only():
         return False
     if torch.cuda.device_count() < _state.tp_size:
         return False  # each rank sees only its own GPU: peers' memory cannot be mapped

@@ -1,20 +1,20 @@
 """Kernels behind one signature each: Triton on CUDA tensors, torch references elsewhere.
 
-KVRAY_TORCH_KERNELS=1 forces the references on a GPU too (the oracle path); it is read on
-import, and again by `read_kernel_switch()`. The Triton modules are imported on first use,
-so CPU-only installs never load triton.
+The switch `kvray_env.TORCH_KERNELS` forces the references on a GPU too (the oracle path);
+it is read on import, and again by `read_kernel_switch()`. The Triton modules are imported
+on first use, so CPU-only installs never load triton.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+import kvray_env
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
@@ -37,10 +37,11 @@ _torch_only = False
 
 
 def read_kernel_switch() -> None:
-    """Reads KVRAY_TORCH_KERNELS (1: the references on every device) into the switch that
-    the dispatchers below consult. A process that changes the variable calls this after."""
+    """Reads `kvray_env.torch_kernels()` (the references on every device) into the switch
+    that the dispatchers below consult. A process that changes the variable calls this
+    after."""
     global _torch_only
-    _torch_only = os.environ.get("KVRAY_TORCH_KERNELS", "0") == "1"
+    _torch_only = kvray_env.torch_kernels()
 
 
 read_kernel_switch()

@@ -10,22 +10,23 @@ the whole chain. Work before the wait overlaps the previous kernel's tail: the G
 its first weight tile there (weights are never written).
 
 Kernels that are not Triton's (cuBLAS, NCCL, torch) launch as usual and wait in full.
-KVRAY_PDL=0 turns it off (for comparison runs).
+The switch `kvray_env.PDL` turns it off (for comparison runs).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+import kvray_env
+
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if os.environ.get("KVRAY_PDL", "1") == "0":
+    if not kvray_env.pdl():
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

@@ -1,15 +1,15 @@
 """HF `architectures` name -> model class, with plugins from the environment.
 
-KVRAY_MODELS="Arch=package.module:Class,Arch2=pkg.mod:Other" adds (or overrides) entries
-without touching kvray; it is read at every lookup.
+The switch `kvray_env.MODELS`, "Arch=package.module:Class,Arch2=pkg.mod:Other", adds (or
+overrides) entries without touching kvray; it is read at every lookup.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
+import kvray_env
 from engine.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -17,7 +17,7 @@ from engine.models.llama import (
     Qwen3ForCausalLM,
 )
 
-PLUGIN_ENV = "KVRAY_MODELS"
+PLUGIN_ENV = kvray_env.MODELS.name
 
 _MODELS: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -46,7 +46,7 @@ def architectures_of(hf_config: Any) -> list[str]:
 
 def _plugin_entries() -> dict[str, str]:
     entries: dict[str, str] = {}
-    for entry in os.environ.get(PLUGIN_ENV, "").split(","):
+    for entry in kvray_env.model_plugins().split(","):
         entry = entry.strip()
         if not entry:
             continue

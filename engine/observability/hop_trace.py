@@ -1,9 +1,9 @@
 """Timestamps of a request's hops through the processes that serve it (bench/hops.py joins
 them): where the time to its first token goes, client, replica and engine process alike.
 
-Off unless KVRAY_HOP_TRACE names a folder when a process starts (Ray's workers and the
-engine process inherit it from the environment Ray was started in). Each process then
-appends `label pid nanoseconds` lines to `<folder>/<pid>.log`, the time from
+Off unless the switch `kvray_env.HOP_TRACE` names a folder when a process starts (Ray's
+workers and the engine process inherit it from the environment Ray was started in). Each
+process then appends `label pid nanoseconds` lines to `<folder>/<pid>.log`, the time from
 CLOCK_MONOTONIC, which every process of a machine shares, so the lines of a client, a
 replica and its engine process line up. A write costs a few microseconds; off, `hop` is a
 test of one global.
@@ -15,9 +15,11 @@ import logging
 import os
 import time
 
+import kvray_env
+
 logger = logging.getLogger(__name__)
 
-_folder: str | None = os.environ.get("KVRAY_HOP_TRACE") or None
+_folder: str | None = kvray_env.hop_trace_folder()
 _fd: int | None = None
 
 
@@ -27,7 +29,7 @@ def enabled() -> bool:
 
 def start(folder: str | None) -> None:
     """Trace this process into `folder` from now on, or stop with None (tests; processes
-    started afterwards still follow KVRAY_HOP_TRACE)."""
+    started afterwards still follow the environment)."""
     global _folder, _fd
     _folder, _fd = folder, None
 

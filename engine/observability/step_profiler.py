@@ -1,4 +1,5 @@
-"""Profile a window of one rank's model steps: KVRAY_PROFILE_STEPS="FIRST:LAST:DIR".
+"""Profile a window of one rank's model steps: the switch `kvray_env.PROFILE_STEPS`,
+"FIRST:LAST:DIR".
 
 Every rank (also a Ray worker of a tensor/pipeline-parallel group, where no benchmark can
 reach in) runs torch.profiler over its execute_model calls FIRST .. LAST - 1, counted from
@@ -8,12 +9,13 @@ and DIR/rank{R}.json (a Chrome trace).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-ENV = "KVRAY_PROFILE_STEPS"
+import kvray_env
+
+ENV = kvray_env.PROFILE_STEPS.name
 
 
 class StepProfiler:
@@ -26,7 +28,7 @@ class StepProfiler:
 
     @classmethod
     def from_env(cls, rank: int) -> StepProfiler | None:
-        spec = os.environ.get(ENV)
+        spec = kvray_env.profile_steps()
         if not spec:
             return None
         try:
