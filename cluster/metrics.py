@@ -125,7 +125,7 @@ class ReplicaReadiness:
         self.sink.set("kvray_replica_ready", 1.0 if ready else 0.0, self.labels)
 
 
-KVRAY_SERIES_PREFIX = "ray_kvray_"
+APP_SERIES_PREFIX = "ray_kvray_"
 """kvray's metrics as Ray's export names them."""
 
 
@@ -170,12 +170,12 @@ def merge_kvray_series(texts: Iterable[str], application: str | None) -> str:
             if line.startswith("#"):
                 parts = line.split(" ", 3)
                 if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                    family = parts[2] if parts[2].startswith(KVRAY_SERIES_PREFIX) else None
+                    family = parts[2] if parts[2].startswith(APP_SERIES_PREFIX) else None
                     if family is not None:
                         (helps if parts[1] == "HELP" else types).setdefault(family, line)
                         samples.setdefault(family, [])
                 continue
-            if family is None or not line.startswith(KVRAY_SERIES_PREFIX):
+            if family is None or not line.startswith(APP_SERIES_PREFIX):
                 continue
             found = _APPLICATION.search(line)
             if application is None or found is None or found.group(1) == application:

@@ -16,7 +16,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import KVRAY_SERIES_PREFIX, merge_kvray_series
+from cluster.metrics import APP_SERIES_PREFIX, merge_kvray_series
 from cluster.request_bodies import REQUEST_MODELS
 from tests.ingress_outside_serve import build_ingress, outside_serve  # noqa: F401 (a fixture)
 from tests.serve.test_serve_support import delete_app, run_app
@@ -70,7 +70,7 @@ def scraped(url) -> str:
 def test_metrics_serves_the_apps_kvray_series_in_prometheus_text(scraped):
     assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
     families = _families(scraped.text)
-    assert all(name.startswith(KVRAY_SERIES_PREFIX) for name in families)
+    assert all(name.startswith(APP_SERIES_PREFIX) for name in families)
     series = {s for found in families.values() for s in found}
     for name, labels in series:
         assert dict(labels).get("application", APP) == APP, (name, labels)
