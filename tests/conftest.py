@@ -1,6 +1,12 @@
-"""Test-session settings shared by every module."""
+"""Test-session settings shared by every module, and the fixtures several folders share.
+
+Each folder's conftest.py names its tier (tests/support/tiers.py): its slow tests, left out
+of the fast lane `pytest -m "not gpu and not slow"`, and its modules that start Ray.
+"""
 
 import os
+
+import pytest
 
 # Several processes (pytest, Ray replicas) share CI's 2 cores: one intra-op thread each
 # avoids the oversubscription that makes small CPU matmuls tens of times slower.
@@ -16,3 +22,13 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     # Triton kernels then run in Triton's interpreter on CPU tensors (tests/kernels/test_kernels.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def bundled_llm():
+    """`LLM()` of the bundled model, built once per test process, for tests that only
+    generate with it: no spies, no changed settings, no reset caches. Its prefix cache
+    keeps what earlier tests left, as any served engine's does."""
+    from engine import LLM
+
+    return LLM()

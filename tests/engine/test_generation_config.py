@@ -20,8 +20,8 @@ from engine.generation_config import (
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from tests.api.test_api_serving import ScriptedEngine, _chat, _completion
-from tests.engine.test_parallel import TINY_ARGS, write_tiny_llama
+from tests.support.fakes import ScriptedEngine, scripted_chat, scripted_completion
+from tests.support.tiny_models import TINY_ARGS, write_tiny_llama
 
 PROMPT = [5, 17, 99, 3]
 EXTRA_EOS = 7
@@ -155,9 +155,9 @@ def _served_params(request) -> SamplingParams:
 
 
 def test_the_api_fills_unset_fields_from_the_model_s_defaults():
-    completion = _served_params(_completion())
+    completion = _served_params(scripted_completion())
     assert (completion.temperature, completion.top_k, completion.max_tokens) == (0.6, 20, 3)
-    chat = _served_params(_chat(temperature=0.2))
+    chat = _served_params(scripted_chat(temperature=0.2))
     assert (chat.temperature, chat.top_k, chat.max_tokens) == (0.2, 20, 3)
     # A length the request asks for is its own.
-    assert _served_params(_completion(max_tokens=9)).max_tokens == 9
+    assert _served_params(scripted_completion(max_tokens=9)).max_tokens == 9

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from cluster.topology import free_port
 from engine import LLM, SamplingParams
-from tests.engine.test_parallel import write_tiny_llama
+from tests.support.tiny_models import write_tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
