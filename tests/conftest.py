@@ -25,6 +25,16 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def bundled_tokenizer():
+    """The bundled model's tokenizer, loaded once per test process; a test that changes it
+    changes a copy."""
+    from engine.bundled import bundled_model_path
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(bundled_model_path())
+
+
+@pytest.fixture(scope="session")
 def bundled_llm():
     """`LLM()` of the bundled model, built once per test process, for tests that only
     generate with it: no spies, no changed settings, no reset caches. Its prefix cache

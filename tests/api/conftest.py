@@ -20,9 +20,7 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    """The bundled model's tokenizer; a test that changes it changes a copy."""
-    from engine.bundled import bundled_model_path
-    from engine.tokenizer import load_tokenizer
-
-    return load_tokenizer(bundled_model_path())
+def tokenizer(bundled_tokenizer):
+    """The bundled model's tokenizer (tests/conftest.py); a test that changes it changes a
+    copy."""
+    return bundled_tokenizer

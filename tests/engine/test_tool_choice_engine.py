@@ -15,9 +15,7 @@ from engine.api.protocol import ChatCompletionRequest
 from engine.api.serving import OpenAIServing
 from engine.api.tools import tool_use
 from engine.async_engine import AsyncEngine
-from engine.bundled import bundled_model_path
 from engine.structured_output import StructuredOutputs
-from engine.tokenizer import load_tokenizer
 from tests.support.openai_streams import assert_stream_agrees, sse_events
 
 WEATHER = {
@@ -164,9 +162,9 @@ def test_required_follows_refs_within_a_tools_parameters(serving):
 
 
 @pytest.fixture(scope="module")
-def compiler():
+def compiler(bundled_tokenizer):
     """The bundled model's tokenizer, and grammars compiled as the engine compiles them."""
-    tokenizer = load_tokenizer(bundled_model_path())
+    tokenizer = bundled_tokenizer
     return tokenizer, StructuredOutputs(tokenizer, len(tokenizer), tokenizer.eos_token_id)
 
 
