@@ -1,10 +1,11 @@
 """Test tiers, named by each folder's conftest.py: which tests are slow on a CPU (left out of
 the fast lane, `pytest -m "not gpu and not slow"`), and which modules start Ray.
 
-Every test also gets an xdist group (run with `--dist loadgroup`): the modules that start
-Ray share one group, so one worker runs them all on its one local Ray instance while the
-other runs the rest; any other module is a group of its own, so that its module-scoped
-fixtures (a loaded model, a deployed app) are built by one worker, once.
+Tests also get xdist groups (run with `--dist loadgroup`): the modules that start Ray share
+one group, so one worker runs them all on its one local Ray instance while the other runs
+the rest; any other module is a group of its own, so that its module-scoped fixtures (a
+loaded model, a deployed app) are built by one worker, once. A folder without such fixtures
+leaves its tests ungrouped, to be spread test by test.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ def mark_folder(
     slow: Collection[str] = (),
     ray: Collection[str] = (),
     gpu: Collection[str] = (),
+    group_by_module: bool = True,
 ) -> None:
     """Mark the tests of `folder` (a conftest's own): `slow`, `gpu` and the Ray group for
-    the modules or tests those name, and an xdist group for each."""
+    the modules or tests those name. Unless `group_by_module` is off (a folder without
+    module-scoped fixtures), every other test gets its module as its xdist group."""
     for item in items:
         if item.path.parent != folder:
             continue
@@ -42,5 +45,8 @@ def mark_folder(
             item.add_marker(pytest.mark.slow)
         if _named(item, gpu):
             item.add_marker(pytest.mark.gpu)
-        group = RAY_GROUP if _named(item, ray) else item.path.relative_to(folder.parent).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+        if _named(item, ray):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+        elif group_by_module:
+            module = item.path.relative_to(folder.parent).as_posix()
+            item.add_marker(pytest.mark.xdist_group(module))
