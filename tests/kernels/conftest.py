@@ -7,8 +7,8 @@ import pytest
 
 from tests.support.tiers import mark_folder
 
-# Interpreted kernels of more than a few seconds; the references and the small kernels
-# stay in the fast lane.
+# Interpreted kernels of more than a few seconds a test; the references and the small
+# kernels stay in the fast lane.
 SLOW = {
     f"test_kernels.py::{name}"
     for name in (
@@ -19,10 +19,8 @@ SLOW = {
         "test_triton_paged_attention",
         "test_triton_paged_attention_batch_shapes",
         "test_triton_paged_decode_any_split_count",
-        "test_triton_paged_decode_spreads_short_contexts_over_a_graph_sized_grid",
         "test_triton_paged_decode_wide_tiles_for_small_groups",
         "test_triton_rotary_on_fused_qkv",
-        "test_triton_silu_and_mul",
         "test_triton_store_kv",
     )
 }

@@ -31,17 +31,18 @@ def mark_folder(
     items: Iterable[pytest.Item],
     folder: Path,
     slow: Collection[str] = (),
+    fast: Collection[str] = (),
     ray: Collection[str] = (),
     gpu: Collection[str] = (),
     group_by_module: bool = True,
 ) -> None:
     """Mark the tests of `folder` (a conftest's own): `slow`, `gpu` and the Ray group for
-    the modules or tests those name. Unless `group_by_module` is off (a folder without
+    the modules or tests those name (`fast` names the quick tests of a slow module). Unless `group_by_module` is off (a folder without
     module-scoped fixtures), every other test gets its module as its xdist group."""
     for item in items:
         if item.path.parent != folder:
             continue
-        if _named(item, slow):
+        if _named(item, slow) and not _named(item, fast):
             item.add_marker(pytest.mark.slow)
         if _named(item, gpu):
             item.add_marker(pytest.mark.gpu)
