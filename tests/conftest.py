@@ -1,7 +1,7 @@
 """Test-session settings shared by every module, and the fixtures several folders share.
 
-Each folder's conftest.py names its tier (tests/support/tiers.py): its slow tests, left out
-of the fast lane `pytest -m "not gpu and not slow"`, and its modules that start Ray.
+Each folder's conftest.py names its slow tests, left out of the fast lane
+`pytest -m "not gpu and not slow"`; tests/support/tiers.py groups the tests for xdist.
 """
 
 import os
@@ -22,6 +22,16 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     # Triton kernels then run in Triton's interpreter on CPU tensors (tests/kernels/test_kernels.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` shares the tests out by tests/support/tiers.py's groups."""
+    if config.getvalue("dist") == "loadgroup":
+        from tests.support.tiers import make_scheduler
+
+        return make_scheduler(config, log)
+    return None
 
 
 @pytest.fixture(scope="session")

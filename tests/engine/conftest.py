@@ -5,13 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tiers import mark_folder
+from tests.support.tiers import mark_folder, ray_modules
 
-# Modules that start a local Ray: the Ray xdist worker runs them, beside tests/serve's.
-RAY = {"test_parallel.py"}
-# Engines of the bundled model, transformers' reference of it, its tokenizer loaded anew,
-# engine processes.
-SLOW = RAY | {
+# Ray; engines of the bundled model, transformers' reference of it, its tokenizer loaded
+# anew, engine processes.
+SLOW = ray_modules("engine") | {
     "test_async_engine.py",
     "test_llm_e2e.py",
     "test_piecewise_graphs.py",
@@ -41,4 +39,4 @@ FAST = {
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    mark_folder(items, Path(__file__).parent, slow=SLOW, fast=FAST, ray=RAY)
+    mark_folder(items, Path(__file__).parent, slow=SLOW, fast=FAST)

@@ -28,5 +28,4 @@ SLOW = {
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    # No module-scoped fixtures here: each test may go to either xdist worker.
-    mark_folder(items, Path(__file__).parent, slow=SLOW, group_by_module=False)
+    mark_folder(items, Path(__file__).parent, slow=SLOW)

@@ -5,25 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tiers import mark_folder
+from tests.support.tiers import mark_folder, ray_modules
 
-# Modules that start a local Ray (or a Ray cluster): one xdist worker runs them all.
-RAY = {
-    "test_cluster.py",
-    "test_cluster_serve.py",
-    "test_metrics_prometheus.py",
-    "test_serve_autoscale.py",
-    "test_serve_colocated.py",
-    "test_serve_direct_ingress.py",
-    "test_serve_multi_model.py",
-    "test_serve_openai.py",
-}
-SLOW = RAY
+# The modules that start a local Ray (or a Ray cluster).
+SLOW = ray_modules("serve")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    mark_folder(items, Path(__file__).parent, slow=SLOW, ray=RAY)
+    mark_folder(items, Path(__file__).parent, slow=SLOW)
 
 
 @pytest.fixture

@@ -1,22 +1,69 @@
-"""Test tiers, named by each folder's conftest.py: which tests are slow on a CPU (left out of
-the fast lane, `pytest -m "not gpu and not slow"`), and which modules start Ray.
+"""Test tiers: which tests are slow on a CPU (named by each folder's conftest.py, left out of
+the fast lane `pytest -m "not gpu and not slow"`), and how xdist shares the tests between
+its workers (`-n 2 --dist loadgroup`, scheduled by `make_scheduler`).
 
-Tests also get xdist groups (run with `--dist loadgroup`): the modules that start Ray share
-one group, so one worker runs them all on its one local Ray instance while the other runs
-the rest; any other module is a group of its own, so that its module-scoped fixtures (a
-loaded model, a deployed app) are built by one worker, once. A folder without such fixtures
-leaves its tests ungrouped, to be spread test by test.
+The modules that start Ray form one group, so one worker runs them all on its one local
+Ray instance while the other runs the rest; any other module is a group of its own, so
+that its module-scoped fixtures (a loaded model, a deployed app) are built once; the tests
+of a folder without such fixtures go one by one to whichever worker is free.
+
+The groups are read off the test ids here, not off `xdist_group` marks: under pytest 9.2
+xdist 3.8 drops the group its workers append to an id (pytest-dev/pytest-xdist#1386).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+# Modules (under tests/) that start a local Ray instance or a Ray cluster.
+RAY_MODULES = frozenset(
+    {
+        "engine/test_parallel.py",
+        "serve/test_cluster.py",
+        "serve/test_cluster_serve.py",
+        "serve/test_metrics_prometheus.py",
+        "serve/test_serve_autoscale.py",
+        "serve/test_serve_colocated.py",
+        "serve/test_serve_direct_ingress.py",
+        "serve/test_serve_multi_model.py",
+        "serve/test_serve_openai.py",
+    }
+)
 RAY_GROUP = "ray"
+# Folders whose tests share no module-scoped fixture: spread test by test.
+SPREAD_FOLDERS = frozenset({"kernels", "unit"})
 EVERY_MODULE = "*"
+
+
+def ray_modules(folder: str) -> set[str]:
+    """The file names of `folder`'s modules that start Ray."""
+    return {m.split("/", 1)[1] for m in RAY_MODULES if m.startswith(f"{folder}/")}
+
+
+def xdist_group(nodeid: str) -> str:
+    """The group a test id belongs to: RAY_GROUP, its module, or itself."""
+    module = nodeid.split("::", 1)[0].removeprefix("tests/")
+    if module in RAY_MODULES:
+        return RAY_GROUP
+    if module.split("/", 1)[0] in SPREAD_FOLDERS:
+        return nodeid
+    return module
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scheduling by scope, with `xdist_group` as the scope: larger groups go out
+    first, and a worker takes the next group when it is nearly done with its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return TierScheduling(config, log)
 
 
 def _named(item: pytest.Item, names: Collection[str]) -> bool:
@@ -32,13 +79,10 @@ def mark_folder(
     folder: Path,
     slow: Collection[str] = (),
     fast: Collection[str] = (),
-    ray: Collection[str] = (),
     gpu: Collection[str] = (),
-    group_by_module: bool = True,
 ) -> None:
-    """Mark the tests of `folder` (a conftest's own): `slow`, `gpu` and the Ray group for
-    the modules or tests those name (`fast` names the quick tests of a slow module). Unless `group_by_module` is off (a folder without
-    module-scoped fixtures), every other test gets its module as its xdist group."""
+    """Mark the tests of `folder` (a conftest's own) `slow` or `gpu` where those name their
+    module or the test; `fast` names the quick tests of a slow module."""
     for item in items:
         if item.path.parent != folder:
             continue
@@ -46,8 +90,3 @@ def mark_folder(
             item.add_marker(pytest.mark.slow)
         if _named(item, gpu):
             item.add_marker(pytest.mark.gpu)
-        if _named(item, ray):
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
-        elif group_by_module:
-            module = item.path.relative_to(folder.parent).as_posix()
-            item.add_marker(pytest.mark.xdist_group(module))

@@ -12,5 +12,4 @@ SLOW = {"test_hop_trace.py::test_an_in_process_request_is_traced_through_its_eng
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    # No module-scoped fixtures here: each test may go to either xdist worker.
-    mark_folder(items, Path(__file__).parent, slow=SLOW, group_by_module=False)
+    mark_folder(items, Path(__file__).parent, slow=SLOW)
