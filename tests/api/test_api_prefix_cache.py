@@ -12,7 +12,7 @@ import pytest
 from engine.api.protocol import CompletionRequest
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.async_engine import AsyncEngine
-from tests.engine.test_parallel import TINY_ARGS, write_tiny_llama
+from tests.support.tiny_models import TINY_ARGS, write_tiny_llama
 
 PROMPT = list(range(3, 23))  # five full blocks of 4
 

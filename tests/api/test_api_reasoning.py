@@ -18,15 +18,12 @@ from engine.api.errors import APIError
 from engine.api.protocol import ChatCompletionRequest, TokenizeRequest
 from engine.api.serving import OpenAIServing
 from engine.async_engine import AsyncEngine
-from engine.bundled import bundled_model_path
-from engine.tokenizer import ChatInputError, load_tokenizer
-from tests.api.test_api_tools import (
-    HERMES_CALL,
-    WEATHER,
-    TextEngine,
-    _agree,
-    _full_and_streamed,
-    _streamed_logprobs,
+from engine.tokenizer import ChatInputError
+from tests.support.fakes import HERMES_CALL, WEATHER, TextEngine
+from tests.support.openai_streams import (
+    assert_stream_agrees,
+    full_and_streamed,
+    streamed_logprobs,
 )
 
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -44,11 +41,6 @@ QWEN_LIKE = (
 PRINTS_KWARGS = (
     "[{{ greeting }}|{{ mood }}]{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(bundled_model_path())
 
 
 def _serving(tokenizer, text: str, reasoning: str | None = "deepseek_r1", **options):
@@ -80,7 +72,7 @@ def _streamed_fields(events: list, index: int = 0) -> dict[str, str]:
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_the_thought_comes_in_reasoning_and_the_rest_in_content(tokenizer, parser):
     serving, engine = _serving(tokenizer, f"<think>{THOUGHT}</think>{ANSWER}", parser)
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     message = full.choices[0].message
     assert (message.reasoning, message.reasoning_content, message.content) == (
         THOUGHT,
@@ -106,11 +98,11 @@ def test_the_thought_comes_in_reasoning_and_the_rest_in_content(tokenizer, parse
 
 def test_each_format_reads_an_unended_thought_its_own_way(tokenizer):
     serving, _ = _serving(tokenizer, THOUGHT, "deepseek_r1")  # the output starts thinking
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     assert (full.choices[0].message.reasoning, full.choices[0].message.content) == (THOUGHT, None)
     assert _streamed_fields(events)["reasoning"] == THOUGHT
     serving, _ = _serving(tokenizer, THOUGHT, "qwen3")  # no thought opened: all content
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     assert full.choices[0].message.content == THOUGHT
     assert "reasoning" not in full.model_dump(mode="json")["choices"][0]["message"]
     assert _streamed_fields(events) == {
@@ -121,7 +113,7 @@ def test_each_format_reads_an_unended_thought_its_own_way(tokenizer):
 def test_without_a_reasoning_parser_the_thought_stays_content(tokenizer):
     text = f"<think>{THOUGHT}</think>{ANSWER}"
     serving, _ = _serving(tokenizer, text, reasoning=None)
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     assert full.choices[0].message.content == text
     assert "reasoning" not in full.model_dump(mode="json")["choices"][0]["message"]
     assert _streamed_fields(events)["content"] == text
@@ -132,14 +124,14 @@ def test_a_prompt_that_ended_the_thought_makes_all_of_the_output_content(tokeniz
     text = "4.</think> <think>no</think>"
     serving, engine = _serving(tokenizer, text, parser, chat_template=QWEN_LIKE)
     fields = {"chat_template_kwargs": {"enable_thinking": False}}
-    full, events = _full_and_streamed(serving, _chat(**fields))
+    full, events = full_and_streamed(serving, _chat(**fields))
     assert tokenizer.decode(engine.calls[0]["prompt"]).endswith("<think>\n\n</think>\n\n")
     assert (full.choices[0].message.content, full.choices[0].message.reasoning) == (text, None)
     assert _streamed_fields(events)["content"] == text
     # The template's own generation prompt, opening the thought: the output starts in it.
     serving, engine = _serving(tokenizer, f"{THOUGHT}</think>{ANSWER}", parser)
     serving.chat_template = QWEN_LIKE.replace("assistant\n", "assistant\n<think>\n", 1)
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     assert (full.choices[0].message.reasoning, full.choices[0].message.content) == (THOUGHT, ANSWER)
     assert _streamed_fields(events)["order"] == "rc"
 
@@ -153,32 +145,32 @@ def test_tool_calls_are_read_in_the_content_alone(tokenizer):
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
     )
-    full, events = _full_and_streamed(serving, _chat(tools=[WEATHER]))
+    full, events = full_and_streamed(serving, _chat(tools=[WEATHER]))
     choice = full.choices[0]
     assert choice.message.reasoning == thought
     assert [
         (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
     ] == [("get_weather", {"city": "Paris"})]
     assert choice.message.content is None and choice.finish_reason == "tool_calls"
-    _agree(full, events)
+    assert_stream_agrees(full, events)
     assert _streamed_fields(events)["reasoning"] == thought
     # A thought that is all the output says so, and has no calls.
     serving.engine = TextEngine(tokenizer, f"<think>{thought}")
-    full, _ = _full_and_streamed(serving, _chat(tools=[WEATHER]))
+    full, _ = full_and_streamed(serving, _chat(tools=[WEATHER]))
     assert full.choices[0].message.reasoning == thought
     assert full.choices[0].message.tool_calls is None
 
 
 def test_each_of_n_choices_is_split_and_its_logprobs_all_arrive(tokenizer):
     serving, engine = _serving(tokenizer, f"<think>{THOUGHT}</think>{ANSWER}")
-    full, events = _full_and_streamed(serving, _chat(n=2, logprobs=True))
+    full, events = full_and_streamed(serving, _chat(n=2, logprobs=True))
     for index in (0, 1):
         assert full.choices[index].message.reasoning == THOUGHT
         assert full.choices[index].message.content == ANSWER
         got = _streamed_fields(events, index)
         assert (got["reasoning"], got["content"]) == (THOUGHT, ANSWER)
         # A held-back tag's tokens come later, not never.
-        assert len(_streamed_logprobs(events, index)) == len(engine.ids)
+        assert len(streamed_logprobs(events, index)) == len(engine.ids)
 
 
 def test_a_structured_output_starts_after_the_thought(tokenizer):

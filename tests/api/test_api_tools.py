@@ -17,28 +17,16 @@ from engine import LLM
 from engine.api.errors import APIError
 from engine.api.protocol import ChatCompletionRequest, TokenizeRequest
 from engine.api.serving import OpenAIServing
-from engine.bundled import bundled_model_path
-from engine.generation_config import GenerationDefaults
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampling_params import RequestOutputKind
-from engine.tokenizer import ChatInputError, load_tokenizer
-from tests.api.test_api_serving import _events
+from engine.tokenizer import ChatInputError
+from tests.support.fakes import HERMES_CALL, WEATHER, TextEngine
+from tests.support.openai_streams import (
+    assert_stream_agrees,
+    full_and_streamed,
+    streamed_logprobs,
+)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 # A small Qwen-like template: tools in a system turn, calls as <tool_call> JSON (arguments
 # must be an object for tojson to render them as one), results as <tool_response>.
 TOOLS_TEMPLATE = """
@@ -56,60 +44,6 @@ TOOLS_TEMPLATE = """
 {% endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
-
-
-class TextEngine:
-    """Writes `text` (each of n samples alike) a token a step, then stops with
-    `finish_reason` ("stop": a model ending its turn; "length": max_tokens reached), decoded
-    as the request asks (skip_special_tokens)."""
-
-    model_name = "scripted"
-    served_model_names = ["scripted"]
-    max_model_len = 512
-    generation_defaults = GenerationDefaults()
-
-    def __init__(
-        self, tokenizer, text: str, end_with_eos: bool = False, finish_reason: str = "stop"
-    ):
-        self.tokenizer = tokenizer
-        self.finish_reason = finish_reason
-        self.ids = tokenizer.encode(text, add_special_tokens=False)
-        if end_with_eos:
-            self.ids.append(tokenizer.eos_token_id)
-        self.calls: list[dict] = []
-        self.num_requests = 0
-
-    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-
-    async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None):
-        self.calls.append(dict(prompt=prompt, params=sampling_params))
-        every_output = sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
-        if every_output:
-            empty = [CompletionOutput(i, "", []) for i in range(sampling_params.n)]
-            yield RequestOutput(request_id, None, list(prompt), empty, False)
-        for step in range(1, len(self.ids) + 1):
-            await asyncio.sleep(0)
-            finished = step == len(self.ids)
-            outputs = [
-                self._sample(i, step, sampling_params, finished) for i in range(sampling_params.n)
-            ]
-            if every_output or finished:
-                yield RequestOutput(request_id, None, list(prompt), outputs, finished)
-
-    def _sample(self, index, step, params, finished) -> CompletionOutput:
-        ids = self.ids[:step]
-        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = [TokenLogprobs(t, -0.5, 1, {t: -0.5}) for t in ids]
-        finish_reason = self.finish_reason if finished else None
-        return CompletionOutput(index, text, ids, finish_reason, logprobs=logprobs)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(bundled_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -132,62 +66,6 @@ def _chat(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate_json(json.dumps(body))
 
 
-def _full_and_streamed(serving, request: ChatCompletionRequest):
-    async def run():
-        full = await serving.create_chat_completion(request)
-        streamed = request.model_copy(update={"stream": True})
-        return full, await _events(await serving.create_chat_completion(streamed))
-
-    return asyncio.run(run())
-
-
-def _streamed_logprobs(events: list, index: int) -> list[dict]:
-    """Choice `index`'s token logprobs, from every delta of a stream."""
-    return [
-        entry
-        for chunk in events[:-1]
-        for choice in chunk["choices"]
-        if choice["index"] == index and choice["logprobs"]
-        for entry in choice["logprobs"]["content"]
-    ]
-
-
-def _assembled(events: list) -> dict[int, dict]:
-    """Per choice, what a client assembles from the deltas: content, calls, finish reason."""
-    choices: dict[int, dict] = {}
-    for chunk in events[:-1]:
-        for choice in chunk["choices"]:
-            got = choices.setdefault(choice["index"], {"content": "", "calls": {}})
-            delta = choice["delta"]
-            got["content"] += delta.get("content") or ""
-            for call in delta.get("tool_calls", []):
-                if "id" in call:
-                    assert call["index"] not in got["calls"] and call["type"] == "function"
-                    got["calls"][call["index"]] = {"id": call["id"], **call["function"]}
-                else:
-                    assert set(call) == {"index", "function"} and set(call["function"]) == {
-                        "arguments"
-                    }
-                    got["calls"][call["index"]]["arguments"] += call["function"]["arguments"]
-            if choice["finish_reason"] is not None:
-                got["finish_reason"] = choice["finish_reason"]
-    return choices
-
-
-def _agree(full, events) -> None:
-    """The stream's deltas add up to the whole response (ids aside: each response has its own)."""
-    streamed = _assembled(events)
-    for choice in full.choices:
-        got = streamed[choice.index]
-        calls = [
-            {"name": c.function.name, "arguments": c.function.arguments}
-            for c in choice.message.tool_calls or []
-        ]
-        assert [{k: c[k] for k in ("name", "arguments")} for c in got["calls"].values()] == calls
-        assert (got["content"] or None) == (choice.message.content or None)
-        assert got["finish_reason"] == choice.finish_reason
-
-
 SCRIPTS = {
     "hermes": "Let me check.\n" + HERMES_CALL + "\n<tool_call>\n"
     '{"name": "get_time", "arguments": {}}\n</tool_call>',
@@ -201,7 +79,7 @@ SCRIPTS = {
 @pytest.mark.parametrize("parser", sorted(SCRIPTS))
 def test_auto_reads_the_models_calls_whole_and_streamed(tokenizer, parser):
     serving, engine = _serving(tokenizer, SCRIPTS[parser], parser)
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     choice = full.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == (None if parser == "llama3_json" else "Let me check.")
@@ -213,7 +91,7 @@ def test_auto_reads_the_models_calls_whole_and_streamed(tokenizer, parser):
     id_pattern = r"[A-Za-z0-9]{9}" if parser == "mistral" else r"chatcmpl-tool-[0-9a-f]{32}"
     assert all(re.fullmatch(id_pattern, c.id) for c in calls)
     assert len({c.id for c in calls}) == 2
-    _agree(full, events)
+    assert_stream_agrees(full, events)
     assert engine.calls[0]["params"].structured_output is None  # auto: the model's free text
     body = full.model_dump(mode="json")["choices"][0]["message"]
     assert body["content"] is None or body["content"] == "Let me check."
@@ -225,30 +103,30 @@ def test_a_call_cut_short_by_max_tokens_is_the_same_call_whole_and_streamed(toke
     script = SCRIPTS[parser]
     cut = script[: script.index('"Paris"') + len('"Par')]
     serving, _ = _serving(tokenizer, cut, parser, finish_reason="length")
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     choice = full.choices[0]
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         ("get_weather", '{"city": "Par')
     ]
     assert choice.message.content == (None if parser == "llama3_json" else "Let me check.")
     assert choice.finish_reason == "length"  # the call is unfinished
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
 
 def test_auto_without_calls_is_plain_content(tokenizer):
     text = "It is sunny in Paris; no tool needed. 1 < 2."
     serving, _ = _serving(tokenizer, text)
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     assert full.choices[0].message.content == text
     assert full.choices[0].finish_reason == "stop"
     assert "tool_calls" not in full.model_dump(mode="json")["choices"][0]["message"]
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
 
 def test_malformed_calls_come_back_as_content_not_an_error(tokenizer):
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>'
     serving, _ = _serving(tokenizer, text)
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     assert full.choices[0].message.content == text
     assert full.choices[0].message.tool_calls is None
     assert full.choices[0].finish_reason == "stop"
@@ -258,24 +136,24 @@ def test_malformed_calls_come_back_as_content_not_an_error(tokenizer):
 
 def test_each_of_n_choices_is_read_for_calls_and_logprobs_all_arrive(tokenizer):
     serving, engine = _serving(tokenizer, SCRIPTS["hermes"])
-    full, events = _full_and_streamed(serving, _chat(n=2, logprobs=True))
+    full, events = full_and_streamed(serving, _chat(n=2, logprobs=True))
     assert [len(c.message.tool_calls) for c in full.choices] == [2, 2]
-    _agree(full, events)
+    assert_stream_agrees(full, events)
     for index in (0, 1):
         # Held-back text's tokens come later, not never.
-        assert len(_streamed_logprobs(events, index)) == len(engine.ids)
+        assert len(streamed_logprobs(events, index)) == len(engine.ids)
 
 
 def test_parallel_tool_calls_false_keeps_one_call(tokenizer):
     serving, _ = _serving(tokenizer, SCRIPTS["hermes"])
-    full, events = _full_and_streamed(serving, _chat(parallel_tool_calls=False))
+    full, events = full_and_streamed(serving, _chat(parallel_tool_calls=False))
     assert [c.function.name for c in full.choices[0].message.tool_calls] == ["get_weather"]
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
 
 def test_tool_choice_none_sends_the_tools_to_the_template_and_reads_nothing(tools_tokenizer):
     serving, engine = _serving(tools_tokenizer, HERMES_CALL)
-    full, _ = _full_and_streamed(serving, _chat(tool_choice="none"))
+    full, _ = full_and_streamed(serving, _chat(tool_choice="none"))
     assert full.choices[0].message.content == HERMES_CALL
     assert full.choices[0].finish_reason == "stop"
     assert '"name": "get_weather"' in tools_tokenizer.decode(engine.calls[0]["prompt"])
@@ -284,7 +162,7 @@ def test_tool_choice_none_sends_the_tools_to_the_template_and_reads_nothing(tool
 def test_named_and_required_choices_constrain_the_output_with_a_grammar(tokenizer):
     serving, engine = _serving(tokenizer, '{"city": "Paris"}', parser=None)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    full, events = _full_and_streamed(serving, _chat(tool_choice=named))
+    full, events = full_and_streamed(serving, _chat(tool_choice=named))
     assert (
         json.loads(engine.calls[0]["params"].structured_output.json_schema)
         == (WEATHER["function"]["parameters"])
@@ -294,11 +172,11 @@ def test_named_and_required_choices_constrain_the_output_with_a_grammar(tokenize
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         ("get_weather", '{"city": "Paris"}')
     ]
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
     calls = '[{"name": "get_time", "parameters": {}}]'
     serving, engine = _serving(tokenizer, calls, parser=None)
-    full, events = _full_and_streamed(serving, _chat(tool_choice="required"))
+    full, events = full_and_streamed(serving, _chat(tool_choice="required"))
     schema = json.loads(engine.calls[0]["params"].structured_output.json_schema)
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     names = [v["properties"]["name"]["enum"] for v in schema["items"]["anyOf"]]
@@ -307,7 +185,7 @@ def test_named_and_required_choices_constrain_the_output_with_a_grammar(tokenize
     assert schema["$defs"]["tool1"]["type"] == "object"
     assert full.choices[0].finish_reason == "tool_calls"
     assert full.choices[0].message.tool_calls[0].function.arguments == "{}"
-    _agree(full, events)
+    assert_stream_agrees(full, events)
     asyncio.run(
         serving.create_chat_completion(_chat(tool_choice="required", parallel_tool_calls=False))
     )
@@ -365,11 +243,11 @@ def test_mistral_keeps_its_special_marker_and_drops_the_end_of_sequence(tokenize
     mistral_like.add_tokens([AddedToken("[TOOL_CALLS]", special=True)], special_tokens=True)
     text = '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]'
     serving, engine = _serving(mistral_like, text, "mistral", end_with_eos=True)
-    full, events = _full_and_streamed(serving, _chat())
+    full, events = full_and_streamed(serving, _chat())
     assert engine.calls[0]["params"].skip_special_tokens is False
     assert full.choices[0].message.content is None
     assert full.choices[0].message.tool_calls[0].function.name == "get_time"
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
 
 def test_a_conversation_with_tools_calls_and_results_reaches_the_template(tools_tokenizer):

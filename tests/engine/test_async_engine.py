@@ -50,6 +50,13 @@ async def _wait_idle(eng: AsyncEngine, timeout: float = 2.0) -> dict:
         await asyncio.sleep(0.05)
 
 
+async def _wait_running(eng: AsyncEngine, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (await eng.stats())["num_running"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        await asyncio.sleep(0.01)
+
+
 def test_stream_is_cumulative_and_ends_finished(engine):
     outputs = asyncio.run(_collect(engine, PROMPTS[0], "cumulative"))
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
@@ -109,7 +116,7 @@ def test_cancelled_consumer_aborts_the_request(engine):
     async def run():
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         task = asyncio.ensure_future(_collect(engine, PROMPTS[2], "cancelled", params))
-        await asyncio.sleep(0.5)
+        await _wait_running(engine)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

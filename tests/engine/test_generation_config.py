@@ -10,7 +10,6 @@ import pytest
 from engine.api.protocol import CompletionRequest
 from engine.api.serving import OpenAIServing
 from engine.async_engine import AsyncEngine
-from engine.bundled import bundled_model_path
 from engine.config import EngineConfig
 from engine.generation_config import (
     GenerationDefaults,
@@ -19,9 +18,8 @@ from engine.generation_config import (
 )
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
-from tests.api.test_api_serving import ScriptedEngine, _chat, _completion
-from tests.engine.test_parallel import TINY_ARGS, write_tiny_llama
+from tests.support.fakes import ScriptedEngine, scripted_chat, scripted_completion
+from tests.support.tiny_models import TINY_ARGS, write_tiny_llama
 
 PROMPT = [5, 17, 99, 3]
 EXTRA_EOS = 7
@@ -143,8 +141,8 @@ def test_an_engine_process_reports_the_defaults(tiny_folder):
     assert (defaults.max_tokens, defaults.eos_token_ids) == (5, (2, EXTRA_EOS))
 
 
-def _served_params(request) -> SamplingParams:
-    engine = ScriptedEngine(load_tokenizer(bundled_model_path()))
+def _served_params(tokenizer, request) -> SamplingParams:
+    engine = ScriptedEngine(tokenizer)
     engine.generation_defaults = GenerationDefaults({"temperature": 0.6, "top_k": 20}, 3)
     serving = OpenAIServing(engine)
     if isinstance(request, CompletionRequest):
@@ -154,10 +152,10 @@ def _served_params(request) -> SamplingParams:
     return engine.calls[-1]["params"]
 
 
-def test_the_api_fills_unset_fields_from_the_model_s_defaults():
-    completion = _served_params(_completion())
+def test_the_api_fills_unset_fields_from_the_model_s_defaults(bundled_tokenizer):
+    completion = _served_params(bundled_tokenizer, scripted_completion())
     assert (completion.temperature, completion.top_k, completion.max_tokens) == (0.6, 20, 3)
-    chat = _served_params(_chat(temperature=0.2))
+    chat = _served_params(bundled_tokenizer, scripted_chat(temperature=0.2))
     assert (chat.temperature, chat.top_k, chat.max_tokens) == (0.2, 20, 3)
     # A length the request asks for is its own.
-    assert _served_params(_completion(max_tokens=9)).max_tokens == 9
+    assert _served_params(bundled_tokenizer, scripted_completion(max_tokens=9)).max_tokens == 9

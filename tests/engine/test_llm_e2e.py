@@ -9,29 +9,10 @@ import torch
 
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.bundled import bundled_model_path
-from tests.steps_in_flight import record_steps_in_flight
+from tests.support.prompts import LONG_TEXT, PROMPTS
+from tests.support.steps_in_flight import record_steps_in_flight
 
 MAX_NEW_TOKENS = 64
-
-LONG_TEXT = " ".join(
-    f"Section {i}: the river town kept records of every flood, every harvest and every "
-    f"market day, and the archivist number {i} wrote them down in a careful hand."
-    for i in range(20)
-)
-
-PROMPTS = [
-    "The capital of France is",
-    "Write a short poem about the sea.\n",
-    "def fibonacci(n):\n    ",
-    "请用中文介绍一下长城的历史。",
-    "人工智能的未来是",
-    "Once upon a time, in a land far away,",
-    "Q: What is 12 times 7?\nA:",
-    "import torch\nimport torch.nn as nn\n\nclass MLP(nn.Module):",
-    "The three primary colors are",
-    "Translate to French: 'Good morning, how are you?'\n",
-    LONG_TEXT + "\nSummarize the records above in one sentence:",
-]
 
 SHARED_PREFIX = LONG_TEXT[:900]
 PREFIX_PROMPTS = [SHARED_PREFIX + q for q in (" Who kept the records?", " What was recorded?")]
@@ -102,8 +83,8 @@ def test_long_prompt_is_long(hf):
     assert len(tok(PROMPTS[-1], add_special_tokens=False).input_ids) > 500
 
 
-def test_greedy_matches_transformers(hf_reference):
-    llm = LLM()
+def test_greedy_matches_transformers(hf_reference, bundled_llm):
+    llm = bundled_llm
     outputs = llm.generate(PROMPTS, GREEDY)
     _assert_same(_token_ids(outputs), hf_reference)
     tok = llm.get_tokenizer()
@@ -195,8 +176,8 @@ def test_unknown_architecture_is_named(tmp_path):
         LLM(model=str(tmp_path), load_format="dummy")
 
 
-def test_stop_strings_and_n_and_chat():
-    llm = LLM()
+def test_stop_strings_and_n_and_chat(bundled_llm):
+    llm = bundled_llm
     params = SamplingParams(temperature=0.0, max_tokens=32)
     base = llm.generate(["The three primary colors are"], params)[0].outputs[0]
     words = base.text.split()
@@ -275,8 +256,8 @@ def test_min_tokens_holds_stops_back_and_keeps_steps_overlapped():
     assert llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids == held.token_ids
 
 
-def test_final_only_requests_give_one_output_and_cumulative_ones_one_per_step():
-    llm = LLM()
+def test_final_only_requests_give_one_output_and_cumulative_ones_one_per_step(bundled_llm):
+    llm = bundled_llm
     engine = llm.engine
     final = SamplingParams(temperature=0.0, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
     steps = dataclasses.replace(final, output_kind=RequestOutputKind.CUMULATIVE)

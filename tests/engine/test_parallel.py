@@ -1,7 +1,7 @@
 """Tensor- and pipeline-parallel actor groups through Ray (gloo on CPU) give TP=1's greedy
 tokens; dead workers fail a step promptly; shutdown leaves no process or placement behind.
 
-All modules share one local Ray instance (tests/test_serve_support.start_ray).
+All modules of a test process share one local Ray instance (tests/support/serve_apps.py).
 """
 
 from __future__ import annotations
@@ -13,21 +13,19 @@ import time
 import psutil
 import pytest
 import ray
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from cluster.executor import RayActorGroupExecutor, WorkerDiedError
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ParallelConfig
 from engine.llm_engine import LLMEngine
 from engine.worker.loader import load_hf_config, resolve_model_source
-from tests.serve.test_serve_support import start_ray
-from tests.steps_in_flight import record_steps_in_flight
+from tests.support.serve_apps import start_ray
+from tests.support.steps_in_flight import record_steps_in_flight
+from tests.support.tiny_models import TINY_ARGS, write_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 TOKEN_PROMPTS = [[5, 17, 99, 3, 200, 41], [250, 7, 7, 12]]
 TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-TINY_ARGS = dict(max_model_len=128, num_gpu_blocks=64, block_size=4)
 # A small KV cache per rank: six ranks of the default 1 GiB would take 6 GiB of memory.
 SMOL_ARGS = dict(max_model_len=256, cpu_kv_cache_gib=0.05)
 # The engine starts no workers of its own: a group of ranks needs the actor group's class.
@@ -37,28 +35,6 @@ RAY_GROUP = dict(distributed_executor_backend=RayActorGroupExecutor)
 @pytest.fixture(scope="module")
 def ray_instance():
     start_ray()
-
-
-def write_tiny_llama(folder) -> str:
-    """A random 4-layer Llama (4 query and 4 KV heads) saved as safetensors, no tokenizer."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

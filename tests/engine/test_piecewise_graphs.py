@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.forward_context import AttentionMetadata, forward_context, get_attention_split
 from engine.layers.attention import attention_layers
 from engine.worker.piecewise_graphs import PiecewiseCudaGraphs, capture_sizes
-from tests.engine.test_llm_e2e import PROMPTS
+from tests.support.prompts import PROMPTS
 
 TOKEN_BUDGET = 64
 

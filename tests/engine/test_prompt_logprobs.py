@@ -7,7 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.bundled import bundled_model_path
-from tests.engine.test_llm_e2e import LONG_TEXT
+from tests.support.prompts import LONG_TEXT
 
 PROMPTS = [
     "The capital of France is Paris, and the capital of Italy is",
@@ -51,9 +51,9 @@ def _check(prompt_logprobs, ids: list[int], ref: torch.Tensor, top: int) -> None
                 assert entry.logprob == pytest.approx(best.values[0].item(), abs=2e-3)
 
 
-def test_prompt_logprobs_match_transformers(reference):
+def test_prompt_logprobs_match_transformers(reference, bundled_llm):
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP)
-    outputs = LLM().generate(PROMPTS, params)
+    outputs = bundled_llm.generate(PROMPTS, params)
     for out, (ids, ref) in zip(outputs, reference, strict=True):
         assert out.prompt_token_ids == ids
         _check(out.prompt_logprobs, ids, ref, TOP)
@@ -63,10 +63,10 @@ def test_prompt_logprobs_match_transformers(reference):
         assert sum(g == w for g, w in zip(got_rank, want_rank)) >= 0.98 * len(want_rank)
 
 
-def test_only_the_requests_that_ask_get_prompt_logprobs(reference):
+def test_only_the_requests_that_ask_get_prompt_logprobs(reference, bundled_llm):
     asked = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0)
     plain = SamplingParams(temperature=0.0, max_tokens=2)
-    llm = LLM()
+    llm = bundled_llm
     outputs = llm.generate(PROMPTS[:2], [asked, plain])
     ids, ref = reference[0]
     _check(outputs[0].prompt_logprobs, ids, ref, top=0)
@@ -87,8 +87,9 @@ def test_chunked_prefill_and_preemption_keep_prompt_logprobs(reference):
         _check(out.prompt_logprobs, ids, ref, top=1)
 
 
-def test_a_cached_prompt_is_computed_again_for_its_logprobs(reference):
-    llm = LLM(enable_prefix_caching=True)
+def test_a_cached_prompt_is_computed_again_for_its_logprobs(reference, bundled_llm):
+    llm = bundled_llm
+    assert llm.engine.config.cache_config.enable_prefix_caching
     greedy = SamplingParams(temperature=0.0, max_tokens=2)
     llm.generate(PROMPTS[2:], greedy)
     (out,) = llm.generate(
@@ -102,9 +103,9 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs(reference):
     assert again.num_cached_tokens > 500
 
 
-def test_n_samples_share_one_prompt_logprobs_list(reference):
+def test_n_samples_share_one_prompt_logprobs_list(reference, bundled_llm):
     params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=4, prompt_logprobs=2)
-    (out,) = LLM().generate(PROMPTS[:1], params)
+    (out,) = bundled_llm.generate(PROMPTS[:1], params)
     assert len(out.outputs) == 2
     ids, ref = reference[0]
     _check(out.prompt_logprobs, ids, ref, top=2)

@@ -18,7 +18,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from tests.engine.test_parallel import TINY_ARGS, write_tiny_llama
+from tests.support.tiny_models import TINY_ARGS, write_tiny_llama
 
 BOS, EOS = 1, 2
 TEXT = "w5 w6 w7"

@@ -6,7 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.observability.step_profiler import StepProfiler
-from tests.engine.test_parallel import write_tiny_llama
+from tests.support.tiny_models import write_tiny_llama
 
 
 def test_a_window_of_steps_is_profiled_and_written(tmp_path, monkeypatch):

@@ -32,9 +32,10 @@ class WithoutRustBackend:
 
 
 @pytest.fixture(scope="module", params=["rust-stream", "python-window"])
-def tokenizer(request):
-    loaded = load_tokenizer(bundled_model_path())
-    return loaded if request.param == "rust-stream" else WithoutRustBackend(loaded)
+def tokenizer(request, bundled_tokenizer):
+    if request.param == "rust-stream":
+        return bundled_tokenizer
+    return WithoutRustBackend(bundled_tokenizer)
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str | None]:

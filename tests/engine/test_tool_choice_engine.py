@@ -15,11 +15,8 @@ from engine.api.protocol import ChatCompletionRequest
 from engine.api.serving import OpenAIServing
 from engine.api.tools import tool_use
 from engine.async_engine import AsyncEngine
-from engine.bundled import bundled_model_path
 from engine.structured_output import StructuredOutputs
-from engine.tokenizer import load_tokenizer
-from tests.api.test_api_serving import _events
-from tests.api.test_api_tools import _agree
+from tests.support.openai_streams import assert_stream_agrees, sse_events
 
 WEATHER = {
     "name": "get_weather",
@@ -114,7 +111,7 @@ def _run(serving, **fields):
     async def run():
         full = await serving.create_chat_completion(request)
         streamed = request.model_copy(update={"stream": True})
-        return full, await _events(await serving.create_chat_completion(streamed))
+        return full, await sse_events(await serving.create_chat_completion(streamed))
 
     return asyncio.run(run())
 
@@ -138,7 +135,7 @@ def test_a_named_function_is_called_with_arguments_that_follow_its_schema(servin
     choice = full.choices[0]
     assert _checked_calls(choice) == ["get_weather"]
     assert choice.finish_reason == "stop"  # OpenAI's for a named choice
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
 
 def test_required_calls_one_or_more_of_the_tools(serving):
@@ -146,13 +143,13 @@ def test_required_calls_one_or_more_of_the_tools(serving):
     choice = full.choices[0]
     assert len(_checked_calls(choice)) >= 1
     assert choice.finish_reason == "tool_calls"
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
 
 def test_required_without_parallel_calls_makes_exactly_one(serving):
     full, events = _run(serving, tool_choice="required", parallel_tool_calls=False)
     assert len(_checked_calls(full.choices[0])) == 1
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
 
 def test_required_follows_refs_within_a_tools_parameters(serving):
@@ -161,13 +158,13 @@ def test_required_follows_refs_within_a_tools_parameters(serving):
     choice = full.choices[0]
     assert _checked_calls(choice) == ["compare_weather"]
     assert choice.finish_reason == "tool_calls"
-    _agree(full, events)
+    assert_stream_agrees(full, events)
 
 
 @pytest.fixture(scope="module")
-def compiler():
+def compiler(bundled_tokenizer):
     """The bundled model's tokenizer, and grammars compiled as the engine compiles them."""
-    tokenizer = load_tokenizer(bundled_model_path())
+    tokenizer = bundled_tokenizer
     return tokenizer, StructuredOutputs(tokenizer, len(tokenizer), tokenizer.eos_token_id)
 
 

@@ -11,7 +11,7 @@ from cluster.executor import RayActorGroupExecutor
 from cluster.topology import free_port
 from engine import LLM, SamplingParams
 from engine.config import world_size
-from tests.engine.test_parallel import write_tiny_llama
+from tests.support.tiny_models import write_tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,7 +20,7 @@ from ray._private.utils import read_ray_address
 
 from cluster.topology import ray_start_command
 from engine import LLM, SamplingParams
-from tests.engine.test_parallel import write_tiny_llama
+from tests.support.tiny_models import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 99, 3, 200, 41], [250, 7, 7, 12]]

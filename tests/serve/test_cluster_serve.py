@@ -4,7 +4,6 @@ replaces the replica and the next request succeeds."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import signal
@@ -14,8 +13,8 @@ import httpx
 import psutil
 import pytest
 
-from engine import LLM, SamplingParams
-from tests.serve.test_serve_support import delete_app, run_app
+from engine import SamplingParams
+from tests.support.serve_apps import served_app_beside_offline_llm
 
 APP = "tp3"
 ARGS = {
@@ -33,14 +32,10 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def served():
     """(base URL, TP=1 offline texts): the replica and the local LLM load at the same time."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        offline = pool.submit(LLM, max_model_len=256, cpu_kv_cache_gib=0.05)
-        url = run_app(APP, ARGS)
-        llm = offline.result()
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
-    yield url, texts
-    delete_app(APP)
+    with served_app_beside_offline_llm(APP, ARGS, cpu_kv_cache_gib=0.05) as (url, llm):
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+        yield url, texts
 
 
 def _complete(url: str, prompt: str, timeout: float = 60) -> httpx.Response:
@@ -97,7 +92,7 @@ def test_killed_rank_errors_the_request_and_the_replica_is_replaced(served):
         except httpx.HTTPError:
             pass
         assert time.monotonic() < deadline, "the replica was not replaced in time"
-        time.sleep(2)
+        time.sleep(0.5)
     assert response.json()["choices"][0]["text"] == texts[1]
     new_ranks = _rank_processes()
     assert len(new_ranks) == 3

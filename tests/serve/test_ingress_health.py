@@ -10,7 +10,7 @@ import pytest
 
 from cluster.app_config import load_app_config
 from cluster.local_server import LocalServer
-from tests.ingress_outside_serve import build_ingress, outside_serve  # noqa: F401 (a fixture)
+from tests.support.outside_serve import build_ingress
 
 pytestmark = pytest.mark.usefixtures("outside_serve")
 

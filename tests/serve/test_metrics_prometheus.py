@@ -19,13 +19,13 @@ import httpx
 import pytest
 import yaml
 
-from tests.serve.test_serve_support import delete_app, run_app
-from tests.unit.test_grafana import (
+from tests.support.grafana_queries import (
     ALERTS,
     dashboard_exprs,
     queried_metric_names,
     to_prometheus_expr,
 )
+from tests.support.serve_apps import served_app
 
 # Ray reports metrics every 10 s by default; read when Ray starts, and this module is
 # imported (collected) before any test starts Ray.
@@ -62,9 +62,8 @@ def _complete(url: str, prompt: str, max_tokens: int, tenant: str = "default") -
 
 @pytest.fixture(scope="module")
 def app_url():
-    url = run_app(APP, ARGS)
-    yield url
-    delete_app(APP)
+    with served_app(APP, ARGS) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

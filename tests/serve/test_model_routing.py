@@ -15,7 +15,7 @@ from cluster.app_config import load_app_config
 from cluster.local_server import LocalServer
 from engine.api.errors import APIError
 from engine.api.responses import UsageInfo
-from tests.ingress_outside_serve import build_ingress, outside_serve  # noqa: F401 (a fixture)
+from tests.support.outside_serve import build_ingress
 
 
 class _FakeHost:

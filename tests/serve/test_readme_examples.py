@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve.test_serve_support import delete_app, run_app
+from tests.support.serve_apps import delete_app, run_app
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:8000"

@@ -27,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.test_serve_support import delete_app, run_app, running_replicas
+from tests.support.serve_apps import delete_app, run_app, running_replicas
 
 APP = "failures"
 MODEL = "SmolLM2-135M-Instruct"

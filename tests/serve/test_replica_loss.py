@@ -18,7 +18,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.app_config import load_app_config
 from engine.api.responses import UsageInfo
-from tests.ingress_outside_serve import build_ingress, outside_serve  # noqa: F401 (a fixture)
+from tests.support.outside_serve import build_ingress
 
 pytestmark = pytest.mark.usefixtures("outside_serve")
 

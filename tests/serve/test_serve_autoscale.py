@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.test_serve_support import delete_app, run_app, running_replicas
+from tests.support.serve_apps import running_replicas, served_app
 
 APP = "autoscale"
 ARGS = {
@@ -34,8 +34,8 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def url():
-    yield run_app(APP, ARGS)
-    delete_app(APP)
+    with served_app(APP, ARGS) as base_url:
+        yield base_url
 
 
 def _wait_for(predicate, timeout_s: float) -> bool:

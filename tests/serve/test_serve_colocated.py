@@ -10,10 +10,9 @@ import httpx
 import pytest
 
 from engine import SamplingParams
-from tests.serve.test_serve_support import (
-    delete_app,
+from tests.support.serve_apps import (
     leave_a_stream_midway,
-    run_app_beside_offline_llm,
+    served_app_beside_offline_llm,
     wait_until_idle,
 )
 
@@ -46,8 +45,8 @@ HEADERS = {"Authorization": "Bearer key-a"}
 
 @pytest.fixture(scope="module")
 def served():
-    yield run_app_beside_offline_llm(APP, ARGS)
-    delete_app(APP)
+    with served_app_beside_offline_llm(APP, ARGS) as served:
+        yield served
 
 
 def test_one_deployment_holds_the_engine_and_serves_the_offline_answers(served):

@@ -2,7 +2,7 @@
 port and forwards to the ingress replicas' own HTTP servers. A client that goes away still
 aborts its request, in both layouts (ingress -> LLMServer, and colocate_ingress).
 
-Ray runs with DIRECT_INGRESS_ENV for this module (tests/test_serve_support restarts it).
+Ray runs with DIRECT_INGRESS_ENV for this module (tests/support/serve_apps.py restarts it).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import httpx
 import pytest
 
 from cluster.topology import DIRECT_INGRESS_ENV
-from tests.serve.test_serve_support import (
-    delete_app,
+from tests.support.serve_apps import (
     leave_a_stream_midway,
-    run_app,
+    served_app,
     server_stats,
     wait_until_idle,
 )
@@ -46,9 +45,8 @@ def served(request):
     """(base URL, app name, deployment holding the engine), one layout at a time."""
     name = request.param
     extra, deployment = LAYOUTS[name]
-    url = run_app(name, {**ARGS, **extra}, ENV)
-    yield url, name, deployment
-    delete_app(name)
+    with served_app(name, {**ARGS, **extra}, ENV) as url:
+        yield url, name, deployment
 
 
 def _wait_until_running(name: str, deployment: str, timeout_s: float = 10) -> None:

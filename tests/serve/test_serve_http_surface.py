@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import APP_SERIES_PREFIX, merge_kvray_series
 from cluster.request_bodies import REQUEST_MODELS
-from tests.ingress_outside_serve import build_ingress, outside_serve  # noqa: F401 (a fixture)
-from tests.serve.test_serve_support import delete_app, run_app
+from tests.support.outside_serve import build_ingress
+from tests.support.serve_apps import delete_app, run_app
 
 # Ray reports metrics every 10 s by default; read when Ray starts, and this module is
 # imported (collected) before any test starts Ray.

@@ -8,15 +8,13 @@ change greedy tokens), and a tenant's limit spans both.
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.tokenizer import apply_chat_template
-from tests.serve.test_serve_support import delete_app, run_app, server_stats
+from tests.support.serve_apps import served_app_beside_offline_llm, server_stats
 
 APP = "multi"
 LONG, SHORT = "smol-long", "smol-short"
@@ -50,12 +48,9 @@ FAST = {"temperature": 0, "max_tokens": 8}
 @pytest.fixture(scope="module")
 def served():
     """(base URL, offline LLM): the replicas and the local LLM load at the same time."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        offline = pool.submit(LLM, max_model_len=MAX_MODEL_LEN[LONG], cpu_kv_cache_gib=0.1)
-        url = run_app(APP, ARGS)
-        llm = offline.result()
-    yield url, llm
-    delete_app(APP)
+    offline = dict(max_model_len=MAX_MODEL_LEN[LONG], cpu_kv_cache_gib=0.1)
+    with served_app_beside_offline_llm(APP, ARGS, **offline) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.tokenizer import apply_chat_template
-from tests.serve.test_serve_support import (
-    delete_app,
+from tests.support.serve_apps import (
     leave_a_stream_midway,
-    run_app_beside_offline_llm,
+    served_app_beside_offline_llm,
     server_stats,
     wait_until_idle,
 )
@@ -62,8 +61,8 @@ FAST = {"temperature": 0, "max_tokens": 8}
 @pytest.fixture(scope="module")
 def served():
     """(base URL, offline LLM): the replica and the local LLM load at the same time."""
-    yield run_app_beside_offline_llm(APP, ARGS)
-    delete_app(APP)
+    with served_app_beside_offline_llm(APP, ARGS) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

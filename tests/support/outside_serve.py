@@ -1,12 +1,11 @@
-"""The ingress (`OpenAIIngress`) built outside Serve, for tests that drive it over ASGI."""
+"""The ingress (`OpenAIIngress`) built outside Serve, for tests that drive it over ASGI.
+tests/serve/conftest.py's `outside_serve` fixture stands in for what Serve's process gives
+it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-import cluster.ingress
 from cluster.app_config import AppConfig
 from cluster.ingress import OpenAIIngress
 
@@ -14,13 +13,6 @@ from cluster.ingress import OpenAIIngress
 class NoMetrics:
     def inc(self, *args: Any) -> None:
         pass
-
-
-@pytest.fixture
-def outside_serve(monkeypatch):
-    """No Ray metrics and no GC tuning: what an ingress needs of Serve's process."""
-    monkeypatch.setattr(cluster.ingress, "RayMetricsSink", NoMetrics)
-    monkeypatch.setattr(cluster.ingress, "tune_for_serving", lambda: None)
 
 
 async def build_ingress(server: Any, config: AppConfig, limiter: Any = None) -> Any:

@@ -1,12 +1,16 @@
-"""Shared by the Serve test modules: one local Ray instance per test session, HTTP on a
-free port of 127.0.0.1, and helpers to run and inspect one app per module."""
+"""Ray Serve apps for tests: one local Ray instance per test process (an xdist worker has
+its own), HTTP on a free port of 127.0.0.1, and helpers to run and inspect one app per
+module. A module's app fixture holds `served_app` (or `served_app_beside_offline_llm`) open
+for the module's tests."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 _state: dict[str, Any] = {}
@@ -71,17 +75,32 @@ def run_app(name: str, args: dict[str, Any], env: dict[str, str] | None = None) 
     return url
 
 
-def run_app_beside_offline_llm(
-    name: str, args: dict[str, Any], env: dict[str, str] | None = None
-) -> tuple[str, Any]:
-    """run_app, while an offline LLM of the bundled model with the app's max_model_len
-    loads in a thread: (base URL, LLM), the reference the app's answers are held to."""
+@contextlib.contextmanager
+def served_app(name: str, args: dict[str, Any], env: dict[str, str] | None = None) -> Iterator[str]:
+    """The app of `args` deployed as `name` (run_app) for the block: its base URL. The app
+    is deleted when the block ends, so the next module's app gets the route."""
+    url = run_app(name, args, env)
+    try:
+        yield url
+    finally:
+        delete_app(name)
+
+
+@contextlib.contextmanager
+def served_app_beside_offline_llm(
+    name: str, args: dict[str, Any], env: dict[str, str] | None = None, **llm_args: Any
+) -> Iterator[tuple[str, Any]]:
+    """served_app, while an offline LLM of the bundled model (the app's max_model_len
+    unless `llm_args` say otherwise) loads in a thread: (base URL, LLM), the reference the
+    app's answers are held to."""
     from engine import LLM
 
+    if "max_model_len" in args:
+        llm_args.setdefault("max_model_len", args["max_model_len"])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        offline = pool.submit(LLM, max_model_len=args["max_model_len"])
-        url = run_app(name, args, env)
-        return url, offline.result()
+        offline = pool.submit(LLM, **llm_args)
+        with served_app(name, args, env) as url:
+            yield url, offline.result()
 
 
 def delete_app(name: str) -> None:
