@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> dict:
         from engine.async_engine import AsyncEngine
 
         engine = AsyncEngine.from_engine_args(
-            engine_model, tokenizer=args.tokenizer, **parse_engine_args(args.engine_arg)
+            model=engine_model, tokenizer=args.tokenizer, **parse_engine_args(args.engine_arg)
         )
         try:
             if args.paired_in_process:

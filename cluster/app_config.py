@@ -33,23 +33,19 @@ from cluster.serve_options import (
 )
 from cluster.tenants import TenantConfig
 from engine.config import (
+    PART_CONFIGS,
     SERVER_PREFILL_TOKENS_WITH_DECODES,
-    CacheConfig,
+    EngineArgs,
     EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
     max_default_num_seqs,
+    part_field_validators,
     world_size,
 )
-
-# ModelConfig comes first: its max_model_len default (None = the model's own) wins.
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
 
 
 def _engine_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    for cls in ENGINE_CONFIGS:
+    for cls in PART_CONFIGS:  # ModelConfig first: its max_model_len default wins
         for name, info in cls.model_fields.items():
             fields.setdefault(name, (info.annotation, info))
     # None: the engine picks from the GPU (vLLM's defaults: 1024 on a 70 GiB+ card).
@@ -86,16 +82,6 @@ def _engine_fields() -> dict[str, Any]:
     return fields
 
 
-def _engine_validators() -> dict[str, Any]:
-    """The engine configs' field validators, so that a value the engine would refuse (a
-    generation_config folder without the file, ...) is refused at start, naming its key."""
-    return {
-        f"_{cls.__name__}{name}": field_validator(*d.info.fields, mode=d.info.mode)(d.func)
-        for cls in ENGINE_CONFIGS
-        for name, d in cls.__pydantic_decorators__.field_validators.items()
-    }
-
-
 ENGINE_KEYS = frozenset(_engine_fields())
 
 PER_MODEL_KEYS = ENGINE_KEYS | PER_MODEL_SERVE_KEYS
@@ -103,7 +89,9 @@ PER_MODEL_KEYS = ENGINE_KEYS | PER_MODEL_SERVE_KEYS
 _AppConfigBase = create_model(
     "_AppConfigBase",
     __base__=ServeOptions,
-    __validators__=_engine_validators(),
+    # The engine's checks run at start, naming the key (a generation_config folder without
+    # the file, ...), not later in a replica.
+    __validators__=part_field_validators(),
     **_engine_fields(),
 )
 
@@ -246,10 +234,11 @@ class AppConfig(_AppConfigBase):
         app-wide keys and its served_model_name filled in), else this config."""
         return list(self._model_configs) if self.models is not None else [self]
 
-    def engine_args(self) -> dict[str, Any]:
-        """The engine keys that were given; the engine resolves the rest."""
+    def engine_args(self) -> EngineArgs:
+        """The engine keys that were given, as the engine's arguments (its fields_set); the
+        engine resolves the rest."""
         given = (self.model_fields_set & ENGINE_KEYS) | {"policy"}
-        return {k: getattr(self, k) for k in given}
+        return EngineArgs(**{k: getattr(self, k) for k in given})
 
     def with_resolved_device(self) -> AppConfig:
         """Pin `device` (cuda when the Ray cluster, or this machine, has GPUs), so that the

@@ -22,6 +22,7 @@ from cluster.app_config import AppConfig
 from cluster.metrics import RayMetricsSink, ReplicaReadiness
 from engine.api.errors import APIError
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
+from engine.config import EngineArgs
 from engine.observability.gc_pauses import tune_for_serving
 
 
@@ -35,18 +36,18 @@ def make_engine(config: AppConfig) -> Any:
     """
     from engine.async_engine import AsyncEngine
 
-    return AsyncEngine.from_engine_args(engine_process=config.engine_process, **engine_args(config))
+    return AsyncEngine.from_engine_args(engine_args(config), engine_process=config.engine_process)
 
 
-def engine_args(config: AppConfig) -> dict[str, Any]:
+def engine_args(config: AppConfig) -> EngineArgs:
     """The config's engine arguments, the Ray actor group passed down as the executor of
     several ranks (or of one, where distributed_executor_backend asks for "ray")."""
     args = config.engine_args()
-    backend = args.get("distributed_executor_backend")
-    if backend == "ray" or (backend is None and config.world_size > 1):
+    backend = args.distributed_executor_backend
+    if backend == "ray" or (backend is None and args.world_size > 1):
         from cluster.executor import RayActorGroupExecutor
 
-        args["distributed_executor_backend"] = RayActorGroupExecutor
+        args = args.model_copy(update={"distributed_executor_backend": RayActorGroupExecutor})
     return args
 
 

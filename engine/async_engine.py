@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from engine.config import EngineArgs, UsageContext
 from engine.core_loop import AbortOp, AddOp, CallOp, Op, Results
 from engine.generation_config import GenerationDefaults
 from engine.observability.hop_trace import hop
@@ -75,7 +76,8 @@ class AsyncEngine:
         engine: Any | None = None,
         stall_timeout_s: float = 300.0,
         *,
-        engine_args: dict | None = None,
+        engine_args: EngineArgs | None = None,
+        usage_context: UsageContext = "server",
     ) -> None:
         """`stall_timeout_s`: a step running longer than this makes the engine unhealthy
         (a hung collective, a wedged device). Give `engine` (run on a thread) or
@@ -98,24 +100,31 @@ class AsyncEngine:
             from engine.core_process import ProcessCore
 
             self.engine = None
-            self._core = ProcessCore(engine_args, self._on_results, self._on_dead, self._replay)
+            self._core = ProcessCore(
+                engine_args, usage_context, self._on_results, self._on_dead, self._replay
+            )
             self._info = self._core.info
             self._tokenizer = self._info["tokenizer"]
 
     @classmethod
     def from_engine_args(
-        cls, model: str | None = None, engine_process: bool | None = None, **engine_args: Any
+        cls,
+        engine_args: EngineArgs | None = None,
+        engine_process: bool | None = None,
+        usage_context: UsageContext = "server",
+        **kwargs: Any,
     ) -> AsyncEngine:
-        """`engine_process`: run the engine in a process of its own; by default on one
+        """The engine `engine_args` (or keyword arguments: model=..., max_num_seqs=...)
+        describe. `engine_process`: run the engine in a process of its own; by default on one
         GPU (a tensor/pipeline-parallel group is driven from this process)."""
-        engine_args.setdefault("usage_context", "server")
+        args = EngineArgs.of(engine_args, kwargs)
         if engine_process is None:
-            engine_process = _one_gpu(engine_args)
+            engine_process = args.world_size == 1 and args.resolved_device == "cuda"
         if engine_process:
-            return cls(engine_args={"model": model, **engine_args})
+            return cls(engine_args=args, usage_context=usage_context)
         from engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(model=model, **engine_args))
+        return cls(LLMEngine.from_engine_args(args, usage_context))
 
     @property
     def in_process(self) -> bool:
@@ -346,12 +355,3 @@ class AsyncEngine:
         for future in calls.values():
             future.set_exception(error)
         self._reply([(stream, error) for stream in streams.values()])
-
-
-def _one_gpu(engine_args: dict) -> bool:
-    from engine.config import resolve_device, world_size
-
-    ranks = world_size(
-        engine_args.get("tensor_parallel_size"), engine_args.get("pipeline_parallel_size")
-    )
-    return ranks == 1 and resolve_device(engine_args.get("device")) == "cuda"

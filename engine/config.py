@@ -1,15 +1,24 @@
 """Frozen engine configs, named after vLLM's engine arguments.
 
-"auto" values are resolved once in `EngineConfig.create()` before freezing; nothing
-mutates a config afterwards. Importing this module loads no torch (the Serve app's keys
+`EngineArgs` holds the flat engine arguments as given (vLLM's spelling); its
+`create_engine_config()` resolves the "auto" values once into a frozen `EngineConfig`, and
+nothing mutates a config afterwards. Importing this module loads no torch (the Serve app's keys
 and `kvray serve --help` are built from these classes): torch loads where a value needs it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from engine.generation_config import check_setting
 
@@ -102,7 +111,7 @@ class SchedulerConfig(_Frozen):
     max_prefill_tokens_with_decodes: int | None = Field(default=None, ge=0)
     """Prompt tokens a step takes while requests are decoding (a longer prompt is prefilled
     in chunks), so that an arriving prompt holds up the running streams by a bounded step.
-    0 or None: up to max_num_batched_tokens. EngineConfig.create resolves None:
+    0 or None: up to max_num_batched_tokens. EngineArgs.create_engine_config resolves None:
     SERVER_PREFILL_TOKENS_WITH_DECODES when serving, 0 offline."""
 
 
@@ -169,69 +178,8 @@ class EngineConfig(_Frozen):
     def create(
         cls, hf_config: Any = None, usage_context: UsageContext = "offline", **engine_args: Any
     ) -> EngineConfig:
-        """Build from flat vLLM-style engine arguments, resolving the "auto" values.
-
-        `hf_config` (a transformers config) supplies the checkpoint dtype and context length;
-        `usage_context` picks the batch defaults (see `default_batch_limits`). Unknown
-        arguments raise ValueError naming them.
-        """
-        fields = {
-            ModelConfig: set(ModelConfig.model_fields),
-            CacheConfig: set(CacheConfig.model_fields),
-            SchedulerConfig: set(SchedulerConfig.model_fields),
-            ParallelConfig: set(ParallelConfig.model_fields),
-        }
-        known = set().union(*fields.values()) | set(RUNNER_ARGS)
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
-
-        device = resolve_device(engine_args.get("device"))
-        model_args = {k: v for k, v in engine_args.items() if k in fields[ModelConfig]}
-        dtype = model_args.get("dtype", "auto")
-        if dtype == "auto":
-            dtype = _resolve_dtype(hf_config, device)
-        model_args["dtype"] = dtype
-
-        max_len = engine_args.get("max_model_len")
-        model_max = _model_max_len(hf_config)
-        if max_len is None:
-            max_len = model_max
-        elif model_max is not None and max_len > model_max:
-            raise ValueError(
-                f"max_model_len={max_len} exceeds the model's max_position_embeddings={model_max}"
-            )
-        max_len = max_len or 2048
-        model_args["max_model_len"] = max_len
-
-        sched_args = {k: v for k, v in engine_args.items() if k in fields[SchedulerConfig]}
-        sched_args["max_model_len"] = max_len
-        if "max_num_seqs" not in sched_args or "max_num_batched_tokens" not in sched_args:
-            seqs, tokens = default_batch_limits(_gpu_memory_and_name(device), usage_context)
-            sched_args.setdefault("max_num_seqs", seqs)
-            sched_args.setdefault("max_num_batched_tokens", tokens)
-        if sched_args.get("max_prefill_tokens_with_decodes") is None:
-            sched_args["max_prefill_tokens_with_decodes"] = (
-                SERVER_PREFILL_TOKENS_WITH_DECODES if usage_context == "server" else 0
-            )
-        runner_args = {k: engine_args[k] for k in RUNNER_ARGS if k in engine_args}
-        runner_args.pop("device", None)
-        if engine_args.get("tensor_parallel_size", 1) > 1:
-            # Piecewise graphs across tensor-parallel ranks have not yet run on GPUs: only
-            # when asked for.
-            runner_args.setdefault("prefill_cuda_graph_tokens", 0)
-        return cls(
-            model_config=ModelConfig(**model_args),
-            cache_config=CacheConfig(
-                **{k: v for k, v in engine_args.items() if k in fields[CacheConfig]}
-            ),
-            scheduler_config=SchedulerConfig(**sched_args),
-            parallel_config=ParallelConfig(
-                **{k: v for k, v in engine_args.items() if k in fields[ParallelConfig]}
-            ),
-            device=device,
-            **runner_args,
-        )
+        """`EngineArgs(**engine_args).create_engine_config(hf_config, usage_context)`."""
+        return EngineArgs(**engine_args).create_engine_config(hf_config, usage_context)
 
 
 UsageContext = Literal["offline", "server"]
@@ -308,3 +256,145 @@ def _model_max_len(hf_config: Any) -> int | None:
     if hf_config is None:
         return None
     return getattr(hf_config, "max_position_embeddings", None)
+
+
+PART_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+"""EngineConfig's parts; ModelConfig first: its max_model_len default (None = the model's
+own) wins over SchedulerConfig's."""
+
+
+def _engine_arg_fields() -> dict[str, Any]:
+    """The parts' fields and EngineConfig's own (RUNNER_ARGS), with None for the values
+    `create_engine_config` picks (device, batch limits, prefill graphs)."""
+    fields: dict[str, Any] = {}
+    for cls in PART_CONFIGS:
+        for name, info in cls.model_fields.items():
+            fields.setdefault(name, (info.annotation, info))
+    for name in RUNNER_ARGS:
+        info = EngineConfig.model_fields[name]
+        fields[name] = (info.annotation, info)
+    fields["device"] = (str | None, None)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_cuda_graph_tokens"):
+        annotation, info = fields[name]
+        fields[name] = (annotation | None, Field(None, **_constraints(info)))
+    return fields
+
+
+def _constraints(info: Any) -> dict[str, Any]:
+    """A field's gt/ge bounds, as Field() keywords."""
+    return {
+        name: getattr(bound, name)
+        for bound in info.metadata
+        for name in ("gt", "ge")
+        if getattr(bound, name, None) is not None
+    }
+
+
+def part_field_validators() -> dict[str, Any]:
+    """The parts' field validators, for a model that takes their fields flat."""
+    return {
+        f"_{cls.__name__}{name}": field_validator(*d.info.fields, mode=d.info.mode)(d.func)
+        for cls in PART_CONFIGS
+        for name, d in cls.__pydantic_decorators__.field_validators.items()
+    }
+
+
+_EngineArgsFields = create_model(
+    "_EngineArgsFields",
+    __base__=_Frozen,
+    __validators__=part_field_validators(),
+    **_engine_arg_fields(),
+)
+
+
+class EngineArgs(_EngineArgsFields):
+    """The flat, vLLM-named engine arguments, as given: one frozen object that travels from
+    the entry point (LLM, AsyncEngine, a Serve replica) to the engine, its process included
+    (it pickles; an executor class in it pickles by reference).
+
+    None for device, max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes,
+    max_model_len and prefill_cuda_graph_tokens: `create_engine_config` picks them.
+    """
+
+    def __init__(self, **engine_args: Any) -> None:
+        unknown = sorted(set(engine_args) - set(type(self).model_fields))
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        super().__init__(**engine_args)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @classmethod
+    def of(cls, engine_args: EngineArgs | None, kwargs: dict[str, Any]) -> EngineArgs:
+        """`engine_args`, or one built from keyword arguments (an entry point takes either)."""
+        if engine_args is None:
+            return cls(**kwargs)
+        if kwargs:
+            raise ValueError(f"give engine_args or {', '.join(sorted(kwargs))}, not both")
+        return engine_args
+
+    @property
+    def world_size(self) -> int:
+        return world_size(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
+    def resolved_device(self) -> str:
+        """`device` as given, else cuda when torch sees a GPU, else cpu (loads torch then)."""
+        return resolve_device(self.device)
+
+    def create_engine_config(
+        self, hf_config: Any = None, usage_context: UsageContext = "offline"
+    ) -> EngineConfig:
+        """The frozen EngineConfig, with the "auto" values resolved.
+
+        `hf_config` (a transformers config) supplies the checkpoint dtype and context length;
+        `usage_context` picks the batch defaults (see `default_batch_limits`).
+        """
+        args = dict(self)
+        device = self.resolved_device
+        max_len = self._resolved_max_model_len(hf_config)
+        dtype = self.dtype if self.dtype != "auto" else _resolve_dtype(hf_config, device)
+        model_args = _fields_of(ModelConfig, args) | {"dtype": dtype, "max_model_len": max_len}
+
+        sched_args = _fields_of(SchedulerConfig, args) | {"max_model_len": max_len}
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            seqs, tokens = default_batch_limits(_gpu_memory_and_name(device), usage_context)
+            sched_args["max_num_seqs"] = self.max_num_seqs or seqs
+            sched_args["max_num_batched_tokens"] = self.max_num_batched_tokens or tokens
+        if self.max_prefill_tokens_with_decodes is None:
+            sched_args["max_prefill_tokens_with_decodes"] = (
+                SERVER_PREFILL_TOKENS_WITH_DECODES if usage_context == "server" else 0
+            )
+        runner_args: dict[str, Any] = {"enforce_eager": self.enforce_eager}
+        if self.prefill_cuda_graph_tokens is not None:
+            runner_args["prefill_cuda_graph_tokens"] = self.prefill_cuda_graph_tokens
+        elif self.tensor_parallel_size > 1:
+            # Piecewise graphs across tensor-parallel ranks have not yet run on GPUs: only
+            # when asked for.
+            runner_args["prefill_cuda_graph_tokens"] = 0
+        return EngineConfig(
+            model_config=ModelConfig(**model_args),
+            cache_config=CacheConfig(**_fields_of(CacheConfig, args)),
+            scheduler_config=SchedulerConfig(**sched_args),
+            parallel_config=ParallelConfig(**_fields_of(ParallelConfig, args)),
+            device=device,
+            **runner_args,
+        )
+
+    def _resolved_max_model_len(self, hf_config: Any) -> int:
+        max_len = self.max_model_len
+        model_max = _model_max_len(hf_config)
+        if max_len is None:
+            max_len = model_max
+        elif model_max is not None and max_len > model_max:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings={model_max}"
+            )
+        return max_len or 2048
+
+
+def _fields_of(part: type[BaseModel], args: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in args.items() if k in part.model_fields}

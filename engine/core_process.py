@@ -23,6 +23,7 @@ from collections.abc import Callable
 from os.path import commonprefix
 from typing import Any
 
+from engine.config import EngineArgs, UsageContext
 from engine.core_loop import AddOp, CoreLoop, Op, Results
 from engine.observability import hop_trace
 from engine.observability.gc_pauses import freeze_startup_heap
@@ -190,7 +191,7 @@ class _EngineProcessCalls:
         return getattr(self.engine, name)
 
 
-def limit_cpu_threads(engine_args: dict) -> None:
+def limit_cpu_threads(engine_args: EngineArgs) -> None:
     """One intra-op CPU thread for a GPU engine, unless OMP_NUM_THREADS says otherwise.
 
     Its CPU work is small tensor ops between kernel launches; torch's pool of one thread
@@ -199,20 +200,18 @@ def limit_cpu_threads(engine_args: dict) -> None:
     """
     import torch
 
-    from engine.config import resolve_device
-
-    if "OMP_NUM_THREADS" not in os.environ and resolve_device(engine_args.get("device")) == "cuda":
+    if "OMP_NUM_THREADS" not in os.environ and engine_args.resolved_device == "cuda":
         torch.set_num_threads(1)
 
 
-def run_engine_process(engine_args: dict, conn: Any) -> None:
+def run_engine_process(engine_args: EngineArgs, usage_context: UsageContext, conn: Any) -> None:
     """The engine process's main: build the engine, then serve the pipe until told to stop."""
     try:
         from engine.llm_engine import LLMEngine
 
         limit_cpu_threads(engine_args)
 
-        engine = LLMEngine.from_engine_args(**engine_args)
+        engine = LLMEngine.from_engine_args(engine_args, usage_context)
     except BaseException as e:
         conn.send(("dead", f"the engine failed to start: {type(e).__name__}: {e}"))
         return
@@ -295,7 +294,8 @@ class ProcessCore:
 
     def __init__(
         self,
-        engine_args: dict,
+        engine_args: EngineArgs,
+        usage_context: UsageContext,
         deliver: Callable[[Results], None],
         on_dead: Callable[[str], None],
         on_metrics: Callable[[list], None],
@@ -304,7 +304,7 @@ class ProcessCore:
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
             target=run_engine_process,
-            args=(engine_args, child),
+            args=(engine_args, usage_context, child),
             name="kvray-engine",
             daemon=True,
         )

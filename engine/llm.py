@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.observability.gc_pauses import frozen_heap
 from engine.outputs import RequestOutput
@@ -20,11 +21,12 @@ class LLM:
     """Offline batch generation.
 
     `LLM()` serves the bundled SmolLM2; `LLM(model="path/to/folder-or.gguf", **engine_args)`
-    takes vLLM-named engine arguments (max_model_len, max_num_seqs, dtype, ...).
+    takes vLLM-named engine arguments (max_model_len, max_num_seqs, dtype, ...), built into
+    one `EngineArgs`.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self.engine = LLMEngine.from_engine_args(model=model, **engine_args)
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import EngineConfig, UsageContext
+from engine.config import EngineArgs, EngineConfig, UsageContext
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
@@ -117,21 +117,18 @@ class LLMEngine:
     @classmethod
     def from_engine_args(
         cls,
-        model: str | None = None,
-        tokenizer: str | None = None,
+        engine_args: EngineArgs | None = None,
         usage_context: UsageContext = "offline",
-        **engine_args: Any,
+        **kwargs: Any,
     ) -> LLMEngine:
-        source = resolve_model_source(model, engine_args.get("load_format", "auto"))
+        """The engine `engine_args` describe, or one built from keyword arguments
+        (model=..., tensor_parallel_size=2, ...)."""
+        args = EngineArgs.of(engine_args, kwargs)
+        source = resolve_model_source(args.model, args.load_format)
         hf_config = load_hf_config(source)
-        config = EngineConfig.create(
-            hf_config=hf_config,
-            usage_context=usage_context,
-            model=str(source.path),
-            tokenizer=tokenizer,
-            **engine_args,
-        )
-        tok = load_tokenizer_for(source, tokenizer)
+        resolved = args.model_copy(update={"model": str(source.path)})
+        config = resolved.create_engine_config(hf_config, usage_context)
+        tok = load_tokenizer_for(source, args.tokenizer)
         return cls(config, hf_config, source, tok)
 
     # -- requests -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ PROMPT = list(range(3, 23))  # five full blocks of 4
 @pytest.fixture
 def served(tmp_path):
     engine = AsyncEngine.from_engine_args(
-        write_tiny_llama(tmp_path), engine_process=False, **TINY_ARGS
+        model=write_tiny_llama(tmp_path), engine_process=False, **TINY_ARGS
     )
     yield OpenAIServing(engine, enable_prompt_tokens_details=True), engine
     engine.shutdown()

@@ -320,9 +320,10 @@ def test_a_gpu_engine_process_runs_one_cpu_thread_unless_told(device, omp, expec
         env["OMP_NUM_THREADS"] = omp
     code = (
         "import torch\n"
+        "from engine.config import EngineArgs\n"
         "from engine.core_process import limit_cpu_threads\n"
         "torch.set_num_threads(3)\n"
-        f"limit_cpu_threads({{'device': {device!r}}})\n"
+        f"limit_cpu_threads(EngineArgs(device={device!r}))\n"
         "print(torch.get_num_threads())\n"
     )
     result = subprocess.run(

@@ -129,7 +129,10 @@ def test_generate_without_params_takes_the_model_s_defaults(tiny_llm, tiny_folde
 
 def test_an_engine_process_reports_the_defaults(tiny_folder):
     engine = AsyncEngine.from_engine_args(
-        str(tiny_folder), engine_process=True, served_model_name=["tiny", "alias"], **TINY_ARGS
+        model=str(tiny_folder),
+        engine_process=True,
+        served_model_name=["tiny", "alias"],
+        **TINY_ARGS,
     )
     try:
         defaults = engine.generation_defaults

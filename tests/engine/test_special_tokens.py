@@ -51,7 +51,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(folder):
-    engine = AsyncEngine.from_engine_args(str(folder), engine_process=False, **TINY_ARGS)
+    engine = AsyncEngine.from_engine_args(model=str(folder), engine_process=False, **TINY_ARGS)
     yield OpenAIServing(engine)
     engine.shutdown()
 

@@ -88,7 +88,7 @@ def test_each_entry_becomes_a_single_model_config_with_the_app_wide_keys():
         assert model.models is None and model.request_timeout_s == 30
         assert model.tenants["t"].tokens_per_minute == 9
     # The engine is told the name the ingress routes by.
-    assert first.engine_args() == {
+    assert first.engine_args().model_dump(exclude_unset=True) == {
         "max_model_len": 256,
         "served_model_name": BUNDLED_MODEL_NAME,
         "policy": "priority",
@@ -100,7 +100,10 @@ def test_each_entry_becomes_a_single_model_config_with_the_app_wide_keys():
 def test_without_models_the_config_is_todays_single_model_one():
     config = load_app_config({"max_model_len": 256, "max_replicas": 2})
     assert config.models is None and config.model_configs() == [config]
-    assert config.engine_args() == {"max_model_len": 256, "policy": "priority"}
+    assert config.engine_args().model_dump(exclude_unset=True) == {
+        "max_model_len": 256,
+        "policy": "priority",
+    }
     assert config.served_name == BUNDLED_MODEL_NAME
     ingress = build_openai_app(config)._bound_deployment
     server = ingress.init_args[0]._bound_deployment

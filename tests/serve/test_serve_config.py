@@ -136,7 +136,7 @@ def test_every_engine_argument_is_an_app_key():
     assert engine_fields | set(RUNNER_ARGS) == set(ENGINE_KEYS)
     config = load_app_config({"max_model_len": "256", "enable_prefix_caching": "false"})
     # Batch limits left out go unset: the engine sizes them for its GPU.
-    assert config.engine_args() == {
+    assert config.engine_args().model_dump(exclude_unset=True) == {
         "max_model_len": 256,
         "enable_prefix_caching": False,
         "policy": "priority",
@@ -217,7 +217,7 @@ def test_tool_call_keys_are_vllms_flags_and_name_the_servings_parsers():
         ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
     )
     assert (config.enable_auto_tool_choice, config.tool_call_parser) == (True, "llama3_json")
-    assert "enable_auto_tool_choice" not in config.engine_args()
+    assert "enable_auto_tool_choice" not in config.engine_args().model_fields_set
     plain = load_app_config({})
     assert (plain.enable_auto_tool_choice, plain.tool_call_parser) == (False, None)
     for name in TOOL_CALL_PARSERS:
@@ -238,7 +238,7 @@ def test_reasoning_and_template_keys_are_vllms_flags_and_reach_the_serving(tmp_p
     assert config.reasoning_parser == "qwen3"
     assert config.chat_template == template.read_text()  # the text travels, not the path
     assert config.default_chat_template_kwargs == {"enable_thinking": False}
-    assert not {"reasoning_parser", "chat_template"} & set(config.engine_args())
+    assert not {"reasoning_parser", "chat_template"} & config.engine_args().model_fields_set
     assert set(AppConfig.model_fields["reasoning_parser"].annotation.__args__[0].__args__) == set(
         REASONING_PARSERS
     )
@@ -284,7 +284,8 @@ def test_kvray_serve_refuses_an_unclear_command_line(argv, error, capsys):
 
 def test_a_group_of_ranks_gets_the_ray_actor_group_as_its_executor():
     def backend(**args):
-        return engine_args(load_app_config(args)).get("distributed_executor_backend", "unset")
+        given = engine_args(load_app_config(args)).model_dump(exclude_unset=True)
+        return given.get("distributed_executor_backend", "unset")
 
     assert backend() == "unset"  # one rank: the engine runs it in process
     assert backend(tensor_parallel_size=2) is RayActorGroupExecutor
@@ -364,7 +365,7 @@ def test_a_target_the_autoscaler_can_reach_is_accepted():
     colocated = {"max_ongoing_requests": 8, "colocate_ingress": True}
     assert load_app_config({**colocated, "target_ongoing_requests": 39.5}).colocate_ingress
     fcfs = load_app_config({"policy": "fcfs", "tenants": {"t": {"max_concurrent_requests": 2}}})
-    assert fcfs.engine_args()["policy"] == "fcfs"
+    assert fcfs.engine_args().policy == "fcfs"
 
 
 def test_tenant_from_api_key_or_header():
