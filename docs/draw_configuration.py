@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvray_env  # noqa: E402
-from cluster.app_config import ENGINE_CONFIGS, AppConfig  # noqa: E402
+from cluster.app_config import AppConfig  # noqa: E402
 from cluster.serve_options import ServeOptions  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import PART_CONFIGS, EngineConfig  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "configuration.md"
 
@@ -84,7 +84,7 @@ def _fields(cls: type[BaseModel]) -> list[tuple[str, FieldInfo, None]]:
 
 def _runner_fields() -> list[tuple[str, FieldInfo, None]]:
     """EngineConfig's own keys, beside its part configs."""
-    parts = set(ENGINE_CONFIGS)
+    parts = set(PART_CONFIGS)
     return [
         (name, info, None)
         for name, info in EngineConfig.model_fields.items()
@@ -94,14 +94,14 @@ def _runner_fields() -> list[tuple[str, FieldInfo, None]]:
 
 def engine_section() -> list[str]:
     lines = ["## Engine keys", ""]
-    for cls in ENGINE_CONFIGS:
+    for cls in PART_CONFIGS:
         lines += [f"### {cls.__name__}", "", *table(_fields(cls)), ""]
     lines += ["### EngineConfig", "", *table(_runner_fields()), ""]
     return lines
 
 
 def _engine_field(name: str) -> FieldInfo | None:
-    for cls in (*ENGINE_CONFIGS, EngineConfig):
+    for cls in (*PART_CONFIGS, EngineConfig):
         if name in cls.model_fields:
             return cls.model_fields[name]
     return None
