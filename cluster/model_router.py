@@ -70,14 +70,3 @@ class ModelRouter:
             if card["id"] == model_id:
                 return card
         raise model_not_found(model_id, (card["id"] for card in cards))
-
-    async def healthy(self, timeout_s: float = 10) -> bool:
-        """True when every model's server answers healthy within `timeout_s`."""
-        try:
-            answers = await asyncio.wait_for(
-                asyncio.gather(*(s.is_healthy.remote() for s in self.servers.values())),
-                timeout=timeout_s,
-            )
-        except Exception:
-            return False
-        return all(answers)
