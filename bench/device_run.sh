@@ -64,11 +64,23 @@ for line in sys.stdin:
         d = json.loads(line)
         print({k: d[k] for k in keys if k in d}, flush=True)'
 
+# Every process this script starts, and every process those start (Ray's daemons and
+# workers, an engine process, Serve's HAProxy), inherits this mark: clean() ends exactly
+# those, by pid, and nothing else on the machine (never by a name pattern, which once
+# matched the calling shell).
+export DEVICE_RUN_MARK="device_run-$$-$RANDOM"
+
 clean() {
     ray stop --force >/dev/null 2>&1
-    pkill -9 -f "ray::" >/dev/null 2>&1
-    pkill -9 -f "serve run" >/dev/null 2>&1
-    pkill -9 -f "bin/haproxy" >/dev/null 2>&1  # `ray stop` leaves direct ingress's HAProxy
+    local pid
+    for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+        [ "$pid" = "$$" ] && continue
+        # `ray stop` leaves direct ingress's HAProxy, and a stage killed at its limit may
+        # leave workers: anything still carrying the mark goes.
+        if grep -qzx "DEVICE_RUN_MARK=$DEVICE_RUN_MARK" "/proc/$pid/environ" 2>/dev/null; then
+            kill -9 "$pid" 2>/dev/null
+        fi
+    done
     sleep 2
 }
 
