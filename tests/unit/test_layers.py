@@ -117,7 +117,7 @@ def _cycles() -> dict[str, frozenset[str]]:
     return cycles
 
 
-def _modules(check: str, *packages: str, outside: str | None = None) -> list:
+def _modules(*packages: str, outside: str | None = None) -> list:
     """pytest params: the modules within `packages` (all when none) but not within `outside`."""
     params = []
     for module in sorted(_sources()):
@@ -129,29 +129,27 @@ def _modules(check: str, *packages: str, outside: str | None = None) -> list:
     return params
 
 
-@pytest.mark.parametrize("module", _modules("imports_no_cluster", "engine", "kernels"))
+@pytest.mark.parametrize("module", _modules("engine", "kernels"))
 def test_engine_and_kernels_import_no_cluster_or_serve_app(module):
     outward = {i for i in imports(module) if _within(i, "cluster") or _within(i, "serve_app")}
     assert not outward
 
 
-@pytest.mark.parametrize("module", _modules("names_no_cluster", "engine", "kernels"))
+@pytest.mark.parametrize("module", _modules("engine", "kernels"))
 def test_engine_and_kernels_name_no_cluster_even_in_a_string(module):
     assert not [s for s in _strings(module) if CLUSTER_WORD.search(s)]
 
 
-@pytest.mark.parametrize("module", _modules("imports_no_engine", "kernels"))
+@pytest.mark.parametrize("module", _modules("kernels"))
 def test_kernels_import_nothing_from_engine(module):
     assert not {i for i in imports(module) if _within(i, "engine")}
 
 
-@pytest.mark.parametrize(
-    "module", _modules("imports_no_engine_api", "engine", outside="engine.api")
-)
+@pytest.mark.parametrize("module", _modules("engine", outside="engine.api"))
 def test_engine_below_its_api_imports_nothing_from_it(module):
     assert not {i for i in imports(module) if _within(i, "engine.api")}
 
 
-@pytest.mark.parametrize("module", _modules("on_no_import_cycle"))
+@pytest.mark.parametrize("module", _modules())
 def test_module_is_on_no_import_cycle(module):
     assert not _cycles()[module]
