@@ -21,6 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder or .gguf with real weights")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--quantization", default="auto", help="engine key: auto, none, fp8, awq, gptq, gguf"
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="engine key: auto or fp8")
     # None: the engine's defaults for the GPU (engine/config.py default_batch_limits).
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -58,7 +62,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        quantization=args.quantization,
     )
+    if args.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     for key in (
         "max_num_seqs",
         "max_num_batched_tokens",

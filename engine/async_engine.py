@@ -161,6 +161,13 @@ class AsyncEngine:
         return self._info["max_model_len"]
 
     @property
+    def quantization(self) -> str:
+        """The quantization method the model runs ("none": 16-bit weights)."""
+        if self.in_process:
+            return self.engine.config.model.quantization
+        return self._info["quantization"]
+
+    @property
     def generation_defaults(self) -> GenerationDefaults:
         """The model's generation_config.json defaults (engine/generation_config.py)."""
         if self.in_process:

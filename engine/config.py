@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from engine.generation_config import check_setting
+from engine.layers.quantization import resolve_quantization
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,15 @@ class ModelConfig(_Frozen):
     dtype: DType = "auto"
     """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmuls on a CPU are slow and inexact)."""
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    quantization: Literal["auto", "none", "fp8", "compressed-tensors", "awq", "gptq", "gguf"] = (
+        "auto"
+    )
+    """How the linear layers' weights are stored. auto: as the checkpoint's
+    quantization_config says (fp8, compressed-tensors, awq, gptq), a GGUF file kept quantized
+    on a GPU (dequantized on a CPU), else 16-bit; none: 16-bit (a GGUF file dequantized at
+    load); fp8: FP8 W8A8, a 16-bit checkpoint quantized at load; awq / gptq with dummy
+    weights: random int4 weights. Embeddings and the LM head stay 16-bit. Resolved at start
+    to the method that runs."""
     max_model_len: int | None = Field(default=None, gt=0)
     """Prompt + output tokens per request; defaults to the model's max_position_embeddings."""
     seed: int = 0
@@ -357,7 +367,13 @@ class EngineArgs(_EngineArgsFields):
         device = self.resolved_device
         max_len = self._resolved_max_model_len(hf_config)
         dtype = self.dtype if self.dtype != "auto" else _resolve_dtype(hf_config, device)
-        model_args = _fields_of(ModelConfig, args) | {"dtype": dtype, "max_model_len": max_len}
+        model_args = _fields_of(ModelConfig, args) | {
+            "dtype": dtype,
+            "max_model_len": max_len,
+            "quantization": resolve_quantization(
+                self.quantization, hf_config, self.model, self.load_format, device
+            ),
+        }
 
         sched_args = _fields_of(SchedulerConfig, args) | {"max_model_len": max_len}
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:

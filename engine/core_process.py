@@ -223,6 +223,7 @@ def run_engine_process(engine_args: EngineArgs, usage_context: UsageContext, con
                 "model_name": engine.model_name,
                 "served_model_names": engine.served_model_names,
                 "max_model_len": engine.config.scheduler_config.max_model_len,
+                "quantization": engine.config.model.quantization,
                 "generation_defaults": engine.generation_defaults,
                 "tokenizer": engine.tokenizer,
             },

@@ -7,6 +7,7 @@ The engine owns the step loop; what comes in is checked and completed by its
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -34,6 +35,8 @@ from engine.structured_output import StructuredOutputs
 from engine.worker.loader import ModelSource, load_hf_config, resolve_model_source, served_names
 from engine.worker.warmup import warm_up_requests
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(
@@ -56,6 +59,7 @@ class LLMEngine:
         self.executor = executor_class(config, hf_config, source)
         self.num_gpu_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_gpu_blocks)
+        self._log_start(config)
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.num_gpu_blocks
         )
@@ -91,6 +95,19 @@ class LLMEngine:
             self.warm_up()
             self.executor.warn_of_late_kernel_variants()
         self.executor.freeze_worker_heaps()
+
+    def _log_start(self, config: EngineConfig) -> None:
+        cache = config.cache_config
+        logger.info(
+            "%s: %s weights (quantization %s) on %s; KV cache %d blocks of %d tokens (%d tokens)",
+            self.model_name,
+            config.model.dtype,
+            config.model.quantization,
+            config.device,
+            self.num_gpu_blocks,
+            cache.block_size,
+            (self.num_gpu_blocks - 1) * cache.block_size,  # block 0 is the null block
+        )
 
     def warm_up(self) -> None:
         """Run the warm-up requests (engine/worker/warmup.py) through a few steps, so that

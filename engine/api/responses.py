@@ -199,6 +199,8 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvray"
     max_model_len: int | None = None
+    quantization: str = "none"
+    """How the model's weights run: none (16-bit), fp8, awq, gptq, gguf, compressed-tensors."""
 
 
 class ModelList(_Response):

@@ -88,6 +88,7 @@ class ServedModel:
         """Every name a request may give; responses carry the first."""
         self.model_name = self.model_names[0]
         self.max_model_len: int = engine.max_model_len
+        self.quantization: str = engine.quantization
         self.generation_defaults: GenerationDefaults = engine.generation_defaults
         self.tokenizer = engine.tokenizer
         self.reasoning_end_ids = (

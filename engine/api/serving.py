@@ -72,7 +72,8 @@ class OpenAIServing:
     def models(self) -> ModelList:
         served = self.served
         cards = [
-            ModelCard(id=name, max_model_len=served.max_model_len) for name in served.model_names
+            ModelCard(id=name, max_model_len=served.max_model_len, quantization=served.quantization)
+            for name in served.model_names
         ]
         return ModelList(data=cards)
 

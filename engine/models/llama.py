@@ -31,20 +31,46 @@ from engine.layers.linear import (
     default_weight_loader,
 )
 from engine.layers.norm import RMSNorm
+from engine.layers.quantization.base import LinearMethod, QuantConfig
 from engine.layers.rotary import RotaryEmbedding, get_rope
 
 IntermediateTensors = dict[str, torch.Tensor]
 """What a pipeline stage hands the next: {"hidden_states", "residual"}."""
 
 
+def linear_method(quant_config: QuantConfig | None, prefix: str) -> LinearMethod | None:
+    """The quantization method of the linear layer at `prefix`; None: 16-bit weights."""
+    if quant_config is None:
+        return None
+    parent, module = prefix.rsplit(".", 1)
+    parts = LlamaForCausalLM.packed_modules_mapping.get(module, [module])
+    return quant_config.linear_method(prefix, [f"{parent}.{part}" for part in parts])
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias=bias,
+            method=linear_method(quant_config, f"{prefix}.gate_up_proj"),
+            prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=bias, name="intermediate_size"
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            name="intermediate_size",
+            method=linear_method(quant_config, f"{prefix}.down_proj"),
+            prefix=f"{prefix}.down_proj",
         )
         self.act_fn = SiluAndMul()
 
@@ -57,20 +83,35 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, arch: type[LlamaForCausalLM]):
+    def __init__(
+        self,
+        config: Any,
+        rotary_emb: RotaryEmbedding,
+        arch: type[LlamaForCausalLM],
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, num_heads, num_kv_heads, bias=arch.qkv_bias or bias
+            config.hidden_size,
+            head_dim,
+            num_heads,
+            num_kv_heads,
+            bias=arch.qkv_bias or bias,
+            method=linear_method(quant_config, f"{prefix}.qkv_proj"),
+            prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
             num_heads * head_dim,
             config.hidden_size,
             bias=bias and arch.o_proj_bias,
             name="num_attention_heads * head_dim",
+            method=linear_method(quant_config, f"{prefix}.o_proj"),
+            prefix=f"{prefix}.o_proj",
         )
         self.head_dim = head_dim
         self.q_size = self.qkv_proj.q_size
@@ -108,11 +149,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, arch: type[LlamaForCausalLM]):
+    def __init__(
+        self,
+        config: Any,
+        rotary_emb: RotaryEmbedding,
+        arch: type[LlamaForCausalLM],
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, arch)
+        self.self_attn = LlamaAttention(
+            config, rotary_emb, arch, quant_config, prefix=f"{prefix}.self_attn"
+        )
         self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+            config.hidden_size,
+            config.intermediate_size,
+            getattr(config, "mlp_bias", False),
+            quant_config,
+            prefix=f"{prefix}.mlp",
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -138,7 +192,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, arch: type[LlamaForCausalLM]):
+    def __init__(
+        self, config: Any, arch: type[LlamaForCausalLM], quant_config: QuantConfig | None = None
+    ):
         super().__init__()
         self.is_first_stage = get_pp_rank() == 0
         self.is_last_stage = get_pp_rank() == get_pp_size() - 1
@@ -150,7 +206,7 @@ class LlamaModel(nn.Module):
         )
         self.rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, arch)
+            LlamaDecoderLayer(config, self.rotary_emb, arch, quant_config, f"model.layers.{i}")
             if self.start_layer <= i < self.end_layer
             else None
             for i in range(config.num_hidden_layers)
@@ -206,10 +262,11 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     """Per-head RMSNorm on q and k before rope (Qwen3)."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, quant_config: QuantConfig | None = None):
+        """quant_config: how the linear layers' weights are stored; None: 16-bit."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, type(self))
+        self.model = LlamaModel(config, type(self), quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.sliding_window = type(self).sliding_window_of(config)
         self.lm_head = None

@@ -17,7 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from engine.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from engine.config import served_name_list
+from engine.layers.linear import LinearBase
 from engine.layers.norm import RMSNorm
+from engine.layers.quantization.base import QuantConfig
 from engine.models.registry import architectures_of, get_model_class
 from engine.models.shapes import SHAPE_NAMES, get_shape_config
 
@@ -98,21 +100,7 @@ def load_hf_config(source: ModelSource) -> PretrainedConfig:
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is not None and source.kind == "hf":
-        # Its tensors (fp8 with scales, packed int4 with zeros) would load as plain weights.
-        method = (
-            quantization.get("quant_method", "?")
-            if isinstance(quantization, dict)
-            else getattr(quantization, "quant_method", "?")
-        )
-        raise ValueError(
-            f"model {str(path)!r} is a quantized checkpoint (quantization_config.quant_method="
-            f"{method!r}), which kvray does not load: serve its unquantized (bf16, fp16 or "
-            "fp32) checkpoint, or its GGUF file"
-        )
-    return config
+    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def load_model(
@@ -122,16 +110,21 @@ def load_model(
     device: torch.device | str,
     seed: int = 0,
     max_model_len: int | None = None,
+    quant_config: QuantConfig | None = None,
 ) -> nn.Module:
     """Build the registry's class for hf_config on `device` in `dtype`, fill its weights, eval().
 
     With max_model_len, a model whose sliding window is shorter raises ValueError (the
-    attention kernels have no window).
+    attention kernels have no window). quant_config: how the linear layers hold their weights
+    (engine.layers.quantization.build_quant_config); None: 16-bit.
     """
     model_cls = get_model_class(architectures_of(hf_config))
     device = torch.device(device)
     with _default_dtype(dtype), device:
-        model = model_cls(hf_config)
+        if quant_config is None:
+            model = model_cls(hf_config)
+        else:
+            model = model_cls(hf_config, quant_config=quant_config)
     window = getattr(model, "sliding_window", None)
     if max_model_len is not None and window is not None and max_model_len > window:
         raise ValueError(
@@ -144,15 +137,24 @@ def load_model(
         else:
             path = Path(source.path)
             if source.kind == "gguf":
+                weights = quant_config and quant_config.gguf_weights(path, hf_config)
                 try:
-                    loaded = model.load_weights(iter_gguf_weights(path, hf_config))
+                    loaded = model.load_weights(weights or iter_gguf_weights(path, hf_config))
                 except ValueError as e:
                     raise ValueError(f"{path.name}: {e}") from None
             else:
                 loaded = _load_safetensors(model, path)
             if loaded is not None:
                 _check_all_loaded(model, loaded, str(path))
+        _prepare_quantized_layers(model)
     return model.eval()
+
+
+def _prepare_quantized_layers(model: nn.Module) -> None:
+    """Each quantized layer turns its loaded checkpoint tensors into what it multiplies."""
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.quantized:
+            module.method.process_weights_after_loading(module)
 
 
 @contextmanager

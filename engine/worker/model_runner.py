@@ -26,6 +26,7 @@ from engine.distributed import (
 from engine.forward_context import forward_context
 from engine.generation_config import config_eos_token_id
 from engine.layers.attention import attention_layers, bind_kv_caches
+from engine.layers.quantization import build_quant_config
 from engine.worker.cuda_graphs import DecodeCudaGraphs
 from engine.worker.host_staging import HostToDevice
 from engine.worker.kv_memory import (
@@ -99,6 +100,9 @@ class ModelRunner:
             self.device,
             seed=self.config.model.seed,
             max_model_len=self.config.scheduler_config.max_model_len,
+            quant_config=build_quant_config(
+                self.config.model.quantization, self.hf_config, source.path, self.device
+            ),
         )
 
     def determine_num_blocks(self) -> int:

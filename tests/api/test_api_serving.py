@@ -885,6 +885,14 @@ def test_models_lists_the_served_model(tokenizer):
     models = serving.models().model_dump()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == ["scripted"]
+    assert models["data"][0]["quantization"] == "none"
+
+
+def test_models_say_how_the_weights_run(tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    engine.quantization = "fp8"
+    serving = OpenAIServing(engine)
+    assert serving.models().model_dump()["data"][0]["quantization"] == "fp8"
 
 
 def test_long_prompts_tokenize_while_the_event_loop_streams_other_requests(tokenizer, monkeypatch):

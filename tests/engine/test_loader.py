@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
 from engine import LLM, SamplingParams
 from engine.bundled import bundled_model_path
+from engine.config import EngineArgs
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.layers.norm import RMSNorm
@@ -186,18 +187,20 @@ def test_unknown_architecture_is_named(tmp_path):
         _load(tmp_path)
 
 
-def test_a_quantized_checkpoint_is_refused_naming_its_method(hf_tiny, tmp_path):
+def test_a_checkpoint_of_an_unsupported_quant_method_is_refused_naming_it(hf_tiny, tmp_path):
     """Its tensors would otherwise load as plain weights (or fail on the first scale)."""
     _, single, _ = hf_tiny
-    folder = tmp_path / "fp8"
+    folder = tmp_path / "bnb"
     shutil.copytree(single, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized checkpoint .*'fp8'"):
-        load_hf_config(resolve_model_source(str(folder)))
+    hf_config = load_hf_config(resolve_model_source(str(folder)))
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes' is not supported"):
+        EngineArgs(model=str(folder), device="cpu").create_engine_config(hf_config)
     # Dummy weights of its shape need no tensor of it.
-    assert load_hf_config(resolve_model_source(str(folder), "dummy")).num_hidden_layers
+    dummy = EngineArgs(model=str(folder), load_format="dummy", device="cpu")
+    assert dummy.create_engine_config(hf_config).model.quantization == "none"
 
 
 def test_missing_path_is_named(tmp_path):

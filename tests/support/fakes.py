@@ -22,6 +22,7 @@ class ScriptedEngine:
     model_name = "scripted"
     served_model_names = ["scripted"]
     max_model_len = MAX_MODEL_LEN
+    quantization = "none"
     generation_defaults = GenerationDefaults()
 
     def __init__(
@@ -168,6 +169,7 @@ class TextEngine:
     model_name = "scripted"
     served_model_names = ["scripted"]
     max_model_len = 512
+    quantization = "none"
     generation_defaults = GenerationDefaults()
 
     def __init__(
