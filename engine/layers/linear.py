@@ -45,6 +45,22 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     param.data.copy_(loaded_weight)
 
 
+def expand_rows(param: nn.Parameter, loaded: torch.Tensor, features: int) -> torch.Tensor:
+    """A checkpoint tensor whose rows each stand for `output_repeat` output features, as
+    one row per feature (the first `features`); others pass through."""
+    repeat = param.output_repeat
+    if repeat == 1 or loaded.numel() == 1:
+        return loaded
+    dim = param.output_dim
+    rows = -(-features // repeat)
+    if loaded.shape[dim] != rows:
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} has {loaded.shape[dim]} rows of "
+            f"{repeat} features in dim {dim}, expected {rows} for {features} features"
+        )
+    return loaded.repeat_interleave(repeat, dim).narrow(dim, 0, features)
+
+
 def _load_max(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """A scalar shared by fused shards (a static activation scale) keeps the largest one."""
     if loaded.numel() != 1:
@@ -85,6 +101,8 @@ class LinearBase(nn.Module):
     def _check_packs(self, name: str, param: nn.Parameter) -> None:
         if not hasattr(param, "output_pack"):
             raise TypeError(f"{type(self.method).__name__} made {name} without shard_dims")
+        if self.tp_size == 1:
+            return  # nothing is cut (a checkpoint may end in a partial block)
         for dim, pack, size in (
             (param.output_dim, param.output_pack, self.output_size),
             (param.input_dim, param.input_pack, self.input_size),
@@ -145,6 +163,7 @@ class ColumnParallelLinear(LinearBase):
         if offset % pack or size % pack:
             raise ValueError(f"shard {shard_id} of {size} features is not a multiple of {pack}")
         target = param.data.narrow(dim, offset // pack, size // pack)
+        loaded_weight = expand_rows(param, loaded_weight, size * self.tp_size)
         if loaded_weight.numel() == 1 and param.dim() == 1:
             target.fill_(loaded_weight.reshape(()).to(param.dtype))  # a per-tensor scale
             return
@@ -253,6 +272,8 @@ class RowParallelLinear(LinearBase):
         if param.combine == "max":
             _load_max(param, loaded_weight)
             return
+        if param.output_dim is not None:
+            loaded_weight = expand_rows(param, loaded_weight, self.output_size)
         dim = param.input_dim
         if dim is None:  # bias, per-output-channel scales: every rank holds them whole
             if loaded_weight.numel() == 1 and param.dim() == 1:

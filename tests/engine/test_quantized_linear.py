@@ -119,3 +119,26 @@ def test_a_merged_shard_of_the_wrong_shape_names_the_shard():
     layer = MergedColumnParallelLinear(8, [4, 4], method=Int8PerChannel(), prefix="gate_up")
     with pytest.raises(ValueError, match=r"\(5, 8\).*\(4, 8\).*shard 1"):
         layer.weight_loader(layer.weight, torch.zeros(5, 8, dtype=torch.int8), 1)
+
+
+class BlockScales(Int8PerChannel):
+    """Scales of 4-row blocks, one row of them per output channel once loaded."""
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        super().create_weights(layer, input_size, output_sizes, params_dtype)
+        del layer.weight_scale
+        scale = empty_param(sum(output_sizes), dtype=torch.float32, output_dim=0, output_repeat=4)
+        layer.register_parameter("weight_scale", scale)
+
+
+def test_block_scales_load_per_channel_when_a_shard_starts_inside_a_block():
+    with override_parallel_state(tp_rank=1, tp_size=2):
+        # q: 6 heads x 2 = 12 rows (3 blocks of 4), k and v: 2 heads x 2 = 4 rows each
+        layer = QKVParallelLinear(8, 2, 6, 2, method=BlockScales(), prefix="qkv")
+    q_blocks, k_blocks = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([5.0])
+    layer.weight_loader(layer.weight_scale, q_blocks, "q")
+    layer.weight_loader(layer.weight_scale, k_blocks, "k")
+    # rank 1 holds q rows 6..11 (blocks 1, 1, 2, 2, 2, 2) then k rows 2..3 (block 0)
+    assert layer.weight_scale[:8].tolist() == [2.0, 2.0, 3.0, 3.0, 3.0, 3.0, 5.0, 5.0]
+    with pytest.raises(ValueError, match="has 2 rows of 4 features"):
+        layer.weight_loader(layer.weight_scale, torch.ones(2), "q")

@@ -10,6 +10,9 @@ every parameter through one sharding rule, read from attributes the method sets 
                               int32, the group size for group scales, 128 for block scales)
     combine="max"             a replicated scalar loaded once per fused shard keeps the
                               largest (a static activation scale shared by q, k and v)
+    output_repeat=r           each checkpoint row stands for r output features (block
+                              scales of 128 rows): rows are repeated r times on loading,
+                              so that shards which start inside a block load exactly
 
 A checkpoint tensor of one element for a parameter with an output_dim fills the loading
 shard's output range: a per-tensor scale of q, k or v becomes per-channel, exactly.
@@ -31,8 +34,10 @@ def shard_dims(
     output_pack: int = 1,
     input_pack: int = 1,
     combine: str | None = None,
+    output_repeat: int = 1,
 ) -> nn.Parameter:
     """Marks how `param` is cut between tensor-parallel ranks (see the module doc)."""
+    param.output_repeat = output_repeat
     param.output_dim = output_dim
     param.input_dim = input_dim
     param.output_pack = output_pack
