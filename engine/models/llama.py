@@ -314,7 +314,24 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"weight {name!r}: {e}") from None
                 shards_seen.setdefault(param_name, set()).add(shard_id)
+        self.shards_loaded = shards_seen
         return {name for name, seen in shards_seen.items() if len(seen) == self._num_shards(name)}
+
+    def checkpoint_names(self, param_name: str) -> list[str]:
+        """The checkpoint tensors a parameter still lacks: a fused parameter's missing shards
+        under their own names ("...v_proj.weight_scale"), else the parameter's name."""
+        parts = param_name.split(".")
+        if len(parts) < 2:
+            return [param_name]
+        seen = getattr(self, "shards_loaded", {}).get(param_name, set())
+        shards = [
+            (name, shard_id)
+            for name, (packed, shard_id) in self.stacked_params_mapping.items()
+            if packed == parts[-2]
+        ]
+        if not shards:
+            return [param_name]
+        return [".".join([*parts[:-2], n, parts[-1]]) for n, sid in shards if sid not in seen]
 
     def _num_shards(self, param_name: str) -> int:
         module = param_name.split(".")[-2] if "." in param_name else ""

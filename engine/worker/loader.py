@@ -169,6 +169,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if hasattr(model, "checkpoint_names"):  # name the checkpoint's tensors, not fused ones
+        missing = [tensor for name in missing for tensor in model.checkpoint_names(name)]
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""

@@ -85,8 +85,9 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias=None):
         if self.stored == "block":
+            # the scales were loaded one row per output channel: blocks of (1, columns)
             return kernels.fp8_block_linear(
-                x, layer.weight, layer.weight_scale_inv, bias, block=self.block
+                x, layer.weight, layer.weight_scale_inv, bias, block=(1, self.block[1])
             )
         input_scale = layer.input_scale if self.static_input else None
         return kernels.fp8_linear(x, layer.weight, layer.weight_scale, input_scale, bias)
