@@ -38,13 +38,14 @@ GEMM_BLOCK_K = 128
 
 @triton.jit
 def _gemv_x_tile(
-    x_ptr, s_row, k, cols, K, stride_sk, SCALE_BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr
+    x_ptr, s_row, k, cols, groups, K, stride_sk, GROUP_K: tl.constexpr, BLOCK_SCALES: tl.constexpr
 ):
-    """x[k:k+BLOCK_K] in float32, times its block scales where the weight has them."""
-    ok = k + cols < K
-    x = tl.load(x_ptr + k + cols, mask=ok, other=0.0).to(tl.float32)
+    """x[k:k+BLOCK_K] in float32 as a tile of the weight tile's shape (every row the same),
+    times the block scales of its column groups where the weight has them."""
+    x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
     if BLOCK_SCALES:
-        x *= tl.load(s_row + ((k + cols) // SCALE_BLOCK_K) * stride_sk, mask=ok, other=0.0)
+        scales = tl.load(s_row + (k // GROUP_K + groups) * stride_sk, mask=k + groups * GROUP_K < K)
+        x *= scales[None, :, None]
     return x
 
 
@@ -61,39 +62,44 @@ def _fp8_gemv_kernel(
     stride_sn,
     stride_sk,
     SCALE_BLOCK_N: tl.constexpr,
-    SCALE_BLOCK_K: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    # Tiles are [BLOCK_N, BLOCK_K // GROUP_K, GROUP_K]: a group of GROUP_K columns (the
+    # block's width with block scales, else all BLOCK_K) on the last axis. x is read as a
+    # whole tile, not a [BLOCK_K] vector, so that it takes the weight's register layout
+    # (16 elements a thread, as 16 fp8 bytes make one vector load); a vector gets 8 (16
+    # bytes of bf16) and is re-laid through shared memory, with barriers, every step. Its
+    # repeated rows are L1 hits.
     first_row = tl.program_id(0) * BLOCK_N
     rows = first_row + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
+    groups = tl.arange(0, BLOCK_K // GROUP_K)
+    cols = groups[None, :, None] * GROUP_K + tl.arange(0, GROUP_K)[None, None, :]
+    cols = cols + 0 * rows[:, None, None]
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w + cols
     # The first weight tile is read before the wait, as in kernels/triton_gemv.py.
     w = tl.load(
-        w_ptrs,
-        mask=row_ok[:, None] & (cols < K)[None, :],
-        other=0.0,
-        eviction_policy="evict_first",
+        w_ptrs, mask=row_ok[:, None, None] & (cols < K), other=0.0, eviction_policy="evict_first"
     )
     wait_for_previous_kernel(USE_PDL)
     s_row = s_ptr + (first_row // SCALE_BLOCK_N) * stride_sn
-    x = _gemv_x_tile(x_ptr, s_row, 0, cols, K, stride_sk, SCALE_BLOCK_K, BLOCK_SCALES)
-    acc = w.to(tl.float32) * x[None, :]
+    x = _gemv_x_tile(x_ptr, s_row, 0, cols, groups, K, stride_sk, GROUP_K, BLOCK_SCALES)
+    acc = w.to(tl.float32) * x
     for k in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(
             w_ptrs + k,
-            mask=row_ok[:, None] & (k + cols < K)[None, :],
+            mask=row_ok[:, None, None] & (k + cols < K),
             other=0.0,
             eviction_policy="evict_first",
         )
-        x = _gemv_x_tile(x_ptr, s_row, k, cols, K, stride_sk, SCALE_BLOCK_K, BLOCK_SCALES)
-        acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
+        x = _gemv_x_tile(x_ptr, s_row, k, cols, groups, K, stride_sk, GROUP_K, BLOCK_SCALES)
+        acc += w.to(tl.float32) * x
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if not BLOCK_SCALES:
         y *= tl.load(s_ptr + rows * stride_sn, mask=row_ok, other=0.0)
     if HAS_BIAS:
@@ -192,8 +198,12 @@ def _scale_strides(scale: torch.Tensor, block: tuple[int, int] | None) -> tuple[
 
 
 def gemv_fits(block: tuple[int, int] | None) -> bool:
-    """Whether fp8_gemv takes this weight's scales: a program's rows lie in one block row."""
-    return block is None or block[0] % GEMV_BLOCK_N == 0
+    """Whether fp8_gemv takes this weight's scales: a program's rows lie in one block row,
+    and a power-of-two block width divides its K step."""
+    if block is None:
+        return True
+    bn, bk = block
+    return bn % GEMV_BLOCK_N == 0 and bk & (bk - 1) == 0 and GEMV_BLOCK_K % bk == 0
 
 
 def fp8_gemv(
@@ -219,11 +229,11 @@ def fp8_gemv(
         stride_sn,
         stride_sk,
         SCALE_BLOCK_N=block[0] if block else 1,
-        SCALE_BLOCK_K=block[1] if block else 1,
         BLOCK_SCALES=block is not None,
         HAS_BIAS=bias is not None,
         BLOCK_N=GEMV_BLOCK_N,
         BLOCK_K=GEMV_BLOCK_K,
+        GROUP_K=block[1] if block else GEMV_BLOCK_K,
         **pdl_launch(x),
         num_warps=GEMV_NUM_WARPS,
     )
