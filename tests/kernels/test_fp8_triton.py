@@ -269,7 +269,8 @@ def test_fp8_paths_replay_in_a_cuda_graph(m):
     graph.replay()
     torch.cuda.synchronize()
     for out, call in zip(outs, calls, strict=True):
-        assert torch.equal(out, call())
+        # close, not equal: cuBLAS may pick another algorithm for a capture
+        assert_matches(out, call())
 
 
 @gpu_test
