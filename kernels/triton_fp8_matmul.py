@@ -107,7 +107,9 @@ def _fp8_gemv_kernel(
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+# M and the activation scales' column stride (M) change with the batch: unspecialized, so
+# that a batch size does not build its own variant.
+@triton.jit(do_not_specialize=["M", "stride_asg"])
 def _fp8_gemm_kernel(
     a_ptr,
     a_scale_ptr,

@@ -101,7 +101,9 @@ def quantize_per_token_triton(
     return q, scale
 
 
-@triton.jit
+# The scales' column stride is M: unspecialized, so that a batch size does not build its
+# own variant.
+@triton.jit(do_not_specialize=["stride_sg"])
 def _quantize_per_token_group_kernel(
     x_ptr,
     q_ptr,

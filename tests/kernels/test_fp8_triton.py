@@ -296,3 +296,25 @@ def test_cuda_16_bit_inputs_dispatch_to_triton_unless_forced_to_references(monke
     finally:
         monkeypatch.undo()
         kernels.read_kernel_switch()
+
+
+@gpu_test
+def test_batch_sizes_past_the_first_of_each_tile_build_no_kernel_variant():
+    from kernels.triton_fp8 import fp8_block_linear_triton, fp8_linear_triton
+    from kernels.variants import new_kernel_variants
+
+    n, k = 512, 1024
+    q, scale = quantize_fp8(torch.randn(n, k, device="cuda") / k**0.5, per_channel=True)
+    qb, scale_inv = quantize_fp8_block(torch.randn(n, k, device="cuda") / k**0.5)
+
+    def run(m: int) -> None:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        fp8_linear_triton(x, q, scale)
+        fp8_block_linear_triton(x, qb, scale_inv)
+
+    for m in (1, 2, W8A16_MAX_TOKENS + 1, 65):  # one of each tile
+        run(m)
+    with new_kernel_variants() as built:
+        for m in (3, 16, 32, 40, 64, 100, 256, 300):
+            run(m)
+    assert built == []
