@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import kvray_env
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
+from kernels.fp8_ref import DEFAULT_BLOCK, fp8_block_linear_ref, fp8_linear_ref, quantize_fp8
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary_ref import apply_rotary_ref, rotary_store_kv_ref
 
@@ -31,6 +32,8 @@ KERNELS: dict[str, tuple[str, Callable]] = {
     "rotary_store_kv": ("kernels.triton_rotary:rotary_store_kv_triton", rotary_store_kv_ref),
     "linear": ("kernels.triton_gemv:gemv_triton", F.linear),
     "silu_and_mul": ("kernels.triton_activation:silu_and_mul_triton", silu_and_mul_ref),
+    "fp8_linear": ("kernels.triton_fp8:fp8_linear_triton", fp8_linear_ref),
+    "fp8_block_linear": ("kernels.triton_fp8:fp8_block_linear_triton", fp8_block_linear_ref),
 }
 
 _torch_only = False
@@ -132,6 +135,24 @@ def silu_and_mul(x):
     return _pick("silu_and_mul", use_triton(x))(x)
 
 
+def _fp8_eligible(x: torch.Tensor) -> bool:
+    return x.dtype in (torch.bfloat16, torch.float16) and use_triton(x)
+
+
+def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None):
+    """x @ (weight * weight_scale[:, None]).T + bias for an fp8 weight [N, K] with float32
+    scales per channel [N] or per tensor [1]; input_scale: the static activation scale, or
+    None (per-token). Which batches quantize their activations: kernels/fp8_ref.py. A
+    16-bit x on a GPU takes the Triton / torch._scaled_mm path."""
+    return _pick("fp8_linear", _fp8_eligible(x))(x, weight, weight_scale, input_scale, bias)
+
+
+def fp8_block_linear(x, weight, weight_scale_inv, bias=None, block=DEFAULT_BLOCK):
+    """x @ W.T + bias for an fp8 weight [N, K] with one float32 scale per block of `block`
+    (rows, columns): weight_scale_inv [ceil(N / rows), ceil(K / columns)]."""
+    return _pick("fp8_block_linear", _fp8_eligible(x))(x, weight, weight_scale_inv, bias, block)
+
+
 # Triton only (no reference): the caller decides when they apply.
 
 
@@ -174,11 +195,14 @@ __all__ = [
     "KERNELS",
     "apply_rotary",
     "argmax",
+    "fp8_block_linear",
+    "fp8_linear",
     "fused_add_rms_norm",
     "gumbel_sample",
     "linear",
     "paged_attention",
     "prefill_tile_query_lens",
+    "quantize_fp8",
     "read_kernel_switch",
     "rms_norm",
     "rotary_store_kv",

@@ -282,7 +282,7 @@ def test_cpu_tensors_use_the_references():
     torch.testing.assert_close(kernels.paged_attention(**batch), run_ref(batch))
 
 
-@pytest.mark.parametrize("name", ["attention", "norm", "rotary", "activation"])
+@pytest.mark.parametrize("name", ["attention", "norm", "rotary", "activation", "fp8"])
 def test_triton_modules_import_without_a_gpu(name):
     pytest.importorskip("triton")
     module = importlib.import_module(f"kernels.triton_{name}")
@@ -304,6 +304,9 @@ def test_the_references_run_without_importing_triton():
         "kernels.rms_norm(x, torch.ones(8), 1e-6)\n"
         "kernels.silu_and_mul(x)\n"
         "kernels.linear(x[:1], torch.randn(4, 8))\n"
+        "q, s = kernels.quantize_fp8(torch.randn(16, 8), per_channel=True)\n"
+        "kernels.fp8_linear(x, q, s)\n"
+        "kernels.fp8_block_linear(x, q, torch.ones(1, 1))\n"
         "assert 'triton' not in sys.modules, 'triton was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
