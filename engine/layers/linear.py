@@ -69,6 +69,20 @@ def _load_max(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(torch.maximum(param.data, value))
 
 
+def _load_same(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+    """A tensor every fused shard carries alike (GPTQ's g_idx): the first one loads, the
+    others must equal it."""
+    if getattr(param, "loaded_shards", None):
+        if not torch.equal(param.data, loaded.to(param.dtype)):
+            raise ValueError(
+                f"shard {shard_id} differs from shard {param.loaded_shards[0]}; the parts of a "
+                "fused layer must share it"
+            )
+    else:
+        default_weight_loader(param, loaded)
+    param.loaded_shards = [*getattr(param, "loaded_shards", []), shard_id]
+
+
 class LinearBase(nn.Module):
     """input_size and output_sizes are this rank's; `method` makes and multiplies the weights."""
 
@@ -153,6 +167,9 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None):
         if param.combine == "max":
             _load_max(param, loaded_weight)
+            return
+        if param.combine == "same":
+            _load_same(param, loaded_weight, shard_id)
             return
         dim = param.output_dim
         if dim is None:

@@ -142,3 +142,20 @@ def test_block_scales_load_per_channel_when_a_shard_starts_inside_a_block():
     assert layer.weight_scale[:8].tolist() == [2.0, 2.0, 3.0, 3.0, 3.0, 3.0, 5.0, 5.0]
     with pytest.raises(ValueError, match="has 2 rows of 4 features"):
         layer.weight_loader(layer.weight_scale, torch.ones(2), "q")
+
+
+def test_a_tensor_the_fused_shards_share_must_be_the_same_in_each():
+    class WithGroupIndex(Int8PerChannel):
+        def create_weights(self, layer, input_size, output_sizes, params_dtype):
+            super().create_weights(layer, input_size, output_sizes, params_dtype)
+            layer.register_parameter(
+                "g_idx", empty_param(input_size, dtype=torch.int32, input_dim=1, combine="same")
+            )
+
+    layer = MergedColumnParallelLinear(8, [4, 4], method=WithGroupIndex(), prefix="gate_up")
+    g_idx = torch.tensor([1, 0, 1, 0, 2, 2, 3, 3], dtype=torch.int32)
+    layer.weight_loader(layer.g_idx, g_idx, 0)
+    layer.weight_loader(layer.g_idx, g_idx.clone(), 1)
+    assert torch.equal(layer.g_idx, g_idx)
+    with pytest.raises(ValueError, match="shard 1 differs from shard 0"):
+        layer.weight_loader(layer.g_idx, g_idx.flip(0), 1)

@@ -10,6 +10,8 @@ every parameter through one sharding rule, read from attributes the method sets 
                               int32, the group size for group scales, 128 for block scales)
     combine="max"             a replicated scalar loaded once per fused shard keeps the
                               largest (a static activation scale shared by q, k and v)
+    combine="same"            a tensor every fused shard carries alike (GPTQ's g_idx): the
+                              later shards must equal the first
     output_repeat=r           each checkpoint row stands for r output features (block
                               scales of 128 rows): rows are repeated r times on loading,
                               so that shards which start inside a block load exactly
