@@ -110,6 +110,12 @@ class CacheConfig(_Frozen):
     enable_prefix_caching: bool = True
     cpu_kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV cache size when running on a CPU (there is nothing to profile)."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """auto: the model's dtype; fp8: float8_e4m3fn entries, about twice the tokens of a
+    16-bit cache. Each layer stores keys / k_scale and values / v_scale, the checkpoint's
+    `self_attn.k_scale` / `v_scale` (or `k_proj` / `v_proj.output_scale`), 1.0 where it has
+    none. Needs a GPU of compute capability 8.9 or later; a CPU runs it through the torch
+    references."""
 
 
 class SchedulerConfig(_Frozen):

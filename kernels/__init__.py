@@ -64,8 +64,12 @@ def _pick(name: str, triton: bool) -> Callable:
     return _triton_function(name) if triton else KERNELS[name][1]
 
 
-def store_kv(key, value, kv_cache, slot_mapping) -> None:
-    return _pick("store_kv", use_triton(key))(key, value, kv_cache, slot_mapping)
+def store_kv(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """An fp8 cache (float8_e4m3fn) stores key / k_scale and value / v_scale, saturated to
+    +-448; the scales are float32 one-element tensors (None: 1.0), ignored by other caches."""
+    return _pick("store_kv", use_triton(key))(
+        key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def paged_attention(
@@ -79,10 +83,14 @@ def paged_attention(
     max_seq_len,
     num_decodes=0,
     out=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """num_decodes: how many leading requests have one query token (a GPU batch splits them
     off to the decode kernel); the reference does not need it. out: write the result there
-    (a contiguous tensor like query) rather than in a new tensor."""
+    (a contiguous tensor like query) rather than in a new tensor. k_scale / v_scale: an fp8
+    cache's keys and values read as stored * scale (float32 one-element tensors, so that a
+    CUDA graph reads them at replay; None: 1.0)."""
     return _pick("paged_attention", use_triton(query))(
         query,
         kv_cache,
@@ -94,6 +102,8 @@ def paged_attention(
         max_seq_len,
         num_decodes=num_decodes,
         out=out,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -109,10 +119,20 @@ def apply_rotary(positions, query, key, cos_sin_cache) -> None:
     return _pick("apply_rotary", use_triton(query))(positions, query, key, cos_sin_cache)
 
 
-def rotary_store_kv(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping) -> None:
+def rotary_store_kv(
+    positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping, k_scale=None, v_scale=None
+) -> None:
     """apply_rotary on query and key, then store_kv of the rotated key and value."""
     return _pick("rotary_store_kv", use_triton(query))(
-        positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping
+        positions,
+        query,
+        key,
+        value,
+        cos_sin_cache,
+        kv_cache,
+        slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -177,11 +197,14 @@ def argmax(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     return argmax_triton(logits, vocab_size)
 
 
-def warm_up_decode(kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
-    """Compiles every decode attention kernel variant for this cache's shape now."""
+def warm_up_decode(
+    kv_cache: torch.Tensor, num_heads: int, scale: float, dtype: torch.dtype | None = None
+) -> None:
+    """Compiles every decode attention kernel variant for this cache's shape and the query
+    dtype `dtype` (None: the cache's; an fp8 cache needs it) now."""
     from kernels.triton_attention import warm_up_decode as warm_up
 
-    warm_up(kv_cache, num_heads, scale)
+    warm_up(kv_cache, num_heads, scale, dtype)
 
 
 def prefill_tile_query_lens(group: int, float32: bool) -> list[int]:

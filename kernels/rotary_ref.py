@@ -34,7 +34,9 @@ def rotary_store_kv_ref(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """apply_rotary_ref on query and key, then store_kv_ref of the rotated key and value."""
     apply_rotary_ref(positions, query, key, cos_sin_cache)
-    store_kv_ref(key, value, kv_cache, slot_mapping)
+    store_kv_ref(key, value, kv_cache, slot_mapping, k_scale, v_scale)

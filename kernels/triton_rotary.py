@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_launch, wait_for_previous_kernel
+from kernels.triton_attention.kv_fp8 import kv_scale_args, load_inverse_scale, to_cache
 from kernels.triton_attention.store_kv import paged_slot_offsets
 
 
@@ -54,6 +55,8 @@ def _rotary_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -72,6 +75,7 @@ def _rotary_kernel(
     BLOCK_HKV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STORE_KV: tl.constexpr,
+    KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -94,13 +98,15 @@ def _rotary_kernel(
         cache_lo = paged_slot_offsets(slot, h, j, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         # The key as rotated in place (rounded to its dtype), as a separate store would copy it.
         cache_ty = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + cache_lo, k1.to(cache_ty), mask=mask)
-        tl.store(k_cache_ptr + cache_lo + HALF, k2.to(cache_ty), mask=mask)
+        k_inv = load_inverse_scale(k_scale_ptr, KV_FP8)
+        tl.store(k_cache_ptr + cache_lo, to_cache(k1, k_inv, cache_ty, KV_FP8), mask=mask)
+        tl.store(k_cache_ptr + cache_lo + HALF, to_cache(k2, k_inv, cache_ty, KV_FP8), mask=mask)
         v_lo = v_ptr + token * stride_vt + h[:, None] * stride_vh + j[None, :]
         v1 = tl.load(v_lo, mask=mask, other=0.0)
         v2 = tl.load(v_lo + HALF, mask=mask, other=0.0)
-        tl.store(v_cache_ptr + cache_lo, v1.to(cache_ty), mask=mask)
-        tl.store(v_cache_ptr + cache_lo + HALF, v2.to(cache_ty), mask=mask)
+        v_inv = load_inverse_scale(v_scale_ptr, KV_FP8)
+        tl.store(v_cache_ptr + cache_lo, to_cache(v1, v_inv, cache_ty, KV_FP8), mask=mask)
+        tl.store(v_cache_ptr + cache_lo + HALF, to_cache(v2, v_inv, cache_ty, KV_FP8), mask=mask)
 
 
 def apply_rotary_triton(
@@ -121,16 +127,20 @@ def rotary_store_kv_triton(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """apply_rotary_triton, then key and value [T, Hkv, D] into kv_cache [2, N, B, Hkv, D]
-    at slot_mapping [T] (negative slots skipped): one kernel."""
+    at slot_mapping [T] (negative slots skipped): one kernel. An fp8 cache gets key /
+    k_scale and value / v_scale (None: 1.0)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
     assert slot_mapping.shape == (num_tokens,), "slot_mapping must be [T]"
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, N, B, Hkv, D]"
     assert tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim), "kv_cache heads/dim mismatch"
     assert value.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
-    _launch(positions, query, key, cos_sin_cache, (value, kv_cache, slot_mapping))
+    scales = kv_scale_args(kv_cache, k_scale, v_scale)
+    _launch(positions, query, key, cos_sin_cache, (value, kv_cache, slot_mapping, *scales))
 
 
 def _launch(positions, query, key, cos_sin_cache, store_kv=None) -> None:
@@ -148,9 +158,10 @@ def _launch(positions, query, key, cos_sin_cache, store_kv=None) -> None:
     if store_kv is None:
         # Unused pointers and strides when STORE_KV is off.
         value, k_cache, v_cache, slot_mapping, block_size = key, key, key, positions, 1
+        k_scale, v_scale, kv_fp8 = key, key, False
         cache_strides = (0, 0, 0)
     else:
-        value, kv_cache, slot_mapping = store_kv
+        value, kv_cache, slot_mapping, k_scale, v_scale, kv_fp8 = store_kv
         k_cache, v_cache, block_size = kv_cache[0], kv_cache[1], kv_cache.shape[2]
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     half = head_dim // 2
@@ -163,6 +174,8 @@ def _launch(positions, query, key, cos_sin_cache, store_kv=None) -> None:
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -179,5 +192,6 @@ def _launch(positions, query, key, cos_sin_cache, store_kv=None) -> None:
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=block_size,
         STORE_KV=store_kv is not None,
+        KV_FP8=kv_fp8,
         **pdl_launch(query),
     )

@@ -17,7 +17,12 @@ from engine.layers.rotary import RotaryEmbedding
 
 class Attention(nn.Module):
     """Head counts are this rank's. `kv_cache` [2, num_blocks, block_size, num_kv_heads,
-    head_dim] is bound by the model runner after it allocates the cache."""
+    head_dim] is bound by the model runner after it allocates the cache.
+
+    `k_scale` / `v_scale` (float32 scalars, 1.0 unless the checkpoint gives them): an fp8
+    cache stores keys / k_scale and values / v_scale and reads them back times the scale;
+    a 16-bit cache ignores them. Tensors, so that CUDA graphs read them at replay.
+    """
 
     def __init__(
         self,
@@ -38,6 +43,10 @@ class Attention(nn.Module):
             )
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
+        for name in ("k_scale", "v_scale"):
+            # Not in the state dict, which stays the checkpoint's tensors under their names.
+            self.register_buffer(name, torch.ones((), dtype=torch.float32), persistent=False)
+            getattr(self, name).weight_loader = load_kv_scale
 
     def forward(
         self,
@@ -66,10 +75,18 @@ class Attention(nn.Module):
         else:
             if rotary is not None:
                 kernels.rotary_store_kv(
-                    positions, q, k, v, rotary.cos_sin_cache, self.kv_cache, meta.slot_mapping
+                    positions,
+                    q,
+                    k,
+                    v,
+                    rotary.cos_sin_cache,
+                    self.kv_cache,
+                    meta.slot_mapping,
+                    self.k_scale,
+                    self.v_scale,
                 )
             else:
-                kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping)
+                kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             split = get_attention_split()
             if split is not None:
                 out = split(self, q)
@@ -93,6 +110,8 @@ class Attention(nn.Module):
             meta.max_seq_len,
             meta.num_decodes,
             out=out,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def _check_window(self, meta: AttentionMetadata) -> None:
@@ -125,6 +144,42 @@ def _attend_new_tokens(
             qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
         ).transpose(0, 1)
     return out
+
+
+def load_kv_scale(buffer: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """A checkpoint's per-layer KV scale (one positive number, any float dtype) into
+    `buffer`, the same on every tensor-parallel rank."""
+    if loaded.numel() != 1:
+        raise ValueError(
+            f"a KV cache scale is one number per layer, got shape {tuple(loaded.shape)}"
+        )
+    value = loaded.reshape(()).float()
+    if not (torch.isfinite(value) and value > 0):
+        raise ValueError(f"a KV cache scale must be positive and finite, got {value.item()}")
+    buffer.copy_(value)
+
+
+KV_SCALE_NAMES = {
+    ("self_attn", "k_scale"): "k_scale",
+    ("self_attn", "v_scale"): "v_scale",
+    ("k_proj", "output_scale"): "k_scale",
+    ("v_proj", "output_scale"): "v_scale",
+}
+"""The checkpoint's KV cache scale tensors (the last two parts of their names) and the
+Attention buffer each loads into."""
+
+
+def kv_scale_target(name: str) -> str | None:
+    """The Attention buffer that checkpoint tensor `name` loads into, for a model whose
+    layers name their attention block `self_attn` and its Attention `attn`; None when the
+    tensor is no KV scale. "model.layers.3.self_attn.k_proj.output_scale" ->
+    "model.layers.3.self_attn.attn.k_scale"."""
+    parts = name.split(".")
+    buffer = KV_SCALE_NAMES.get(tuple(parts[-2:]))
+    if buffer is None:
+        return None
+    attention = parts[:-1] if parts[-2] == "self_attn" else parts[:-2]
+    return ".".join([*attention, "attn", buffer])
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -22,7 +22,7 @@ from engine.distributed import (
     sequence_shard,
 )
 from engine.layers.activation import SiluAndMul
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, kv_scale_target
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -300,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
         shape raises ValueError naming the tensor.
         """
         params = dict(self.named_parameters())
+        # Buffers that take checkpoint tensors (the KV cache scales) carry a weight_loader.
+        params |= {n: b for n, b in self.named_buffers() if hasattr(b, "weight_loader")}
         shards_seen: dict[str, set] = {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -353,6 +355,9 @@ class LlamaForCausalLM(nn.Module):
         if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
             if not model.start_layer <= int(parts[2]) < model.end_layer:
                 return []
+        kv_scale = kv_scale_target(name)
+        if kv_scale is not None:
+            return [(kv_scale, None)]
         if len(parts) >= 2 and parts[-2] in self.stacked_params_mapping:
             packed, shard_id = self.stacked_params_mapping[parts[-2]]
             return [(".".join([*parts[:-2], packed, parts[-1]]), shard_id)]

@@ -7,12 +7,39 @@ that peak leaves of gpu_memory_utilization x the card goes to KV (`num_gpu_block
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable
 
 import torch
 
 from engine.forward_context import AttentionMetadata
 from engine.layers.attention import attention_layers
+
+logger = logging.getLogger(__name__)
+
+FP8_MIN_CAPABILITY = (8, 9)
+"""Compute capability from which a GPU converts to and from float8 (Ada, Hopper)."""
+
+
+def kv_cache_torch_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV tensors' dtype for the engine key kv_cache_dtype: "auto" the model's, "fp8"
+    float8_e4m3fn (ValueError on a GPU without float8 conversions)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype != "fp8":
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if tuple(capability) < FP8_MIN_CAPABILITY:
+            name = torch.cuda.get_device_name(device)
+            raise ValueError(
+                f"kv_cache_dtype='fp8' needs a GPU of compute capability "
+                f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later; {name} has "
+                f"{'.'.join(map(str, capability))}: use kv_cache_dtype='auto'"
+            )
+    return torch.float8_e4m3fn
 
 
 def kv_block_bytes(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -30,7 +57,19 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, kv heads, head dim] tensor per attention layer."""
+    """One zeroed [2, num_blocks, block_size, kv heads, head dim] tensor per attention layer.
+    Logs the capacity: block 0 is the null block, the others hold tokens."""
+    layers = attention_layers(model)
+    logger.info(
+        "KV cache: %s, %d tokens (%d blocks of %d), %.2f GiB",
+        str(dtype).removeprefix("torch."),
+        (num_blocks - 1) * block_size,
+        num_blocks - 1,
+        block_size,
+        num_blocks * kv_block_bytes(model, block_size, dtype) / 2**30,
+    )
+    # float8 as zero bytes (+0.0) viewed: not every torch build fills float8 on every device.
+    zeros_dtype = torch.uint8 if dtype == torch.float8_e4m3fn else dtype
     return [
         torch.zeros(
             2,
@@ -38,10 +77,10 @@ def allocate_kv_caches(
             block_size,
             layer.num_kv_heads,
             layer.head_dim,
-            dtype=dtype,
+            dtype=zeros_dtype,
             device=device,
-        )
-        for layer in attention_layers(model)
+        ).view(dtype)
+        for layer in layers
     ]
 
 

@@ -32,6 +32,7 @@ from engine.worker.host_staging import HostToDevice
 from engine.worker.kv_memory import (
     allocate_kv_caches,
     kv_block_bytes,
+    kv_cache_torch_dtype,
     non_torch_bytes,
     num_gpu_blocks,
     profile_batch,
@@ -72,6 +73,9 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = device
         self.dtype = config.model.torch_dtype
+        self.kv_cache_dtype = kv_cache_torch_dtype(
+            config.cache_config.kv_cache_dtype, self.dtype, device
+        )
         self.block_size = config.cache_config.block_size
         self.requests = RequestStates(device)
         self.model: torch.nn.Module | None = None
@@ -109,7 +113,7 @@ class ModelRunner:
         cache = self.config.cache_config
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
-        block_bytes = kv_block_bytes(self.model, self.block_size, self.dtype)
+        block_bytes = kv_block_bytes(self.model, self.block_size, self.kv_cache_dtype)
         if self.device.type == "cpu":
             return max(2, int(cache.cpu_kv_cache_gib * (1 << 30)) // block_bytes)
         return num_gpu_blocks(
@@ -143,7 +147,7 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(
-            self.model, num_blocks, self.block_size, self.dtype, self.device
+            self.model, num_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         bind_kv_caches(self.model, self.kv_caches)
         # Graphs capture a whole-model forward: pipeline stages run eagerly.
@@ -162,13 +166,13 @@ class ModelRunner:
             self.cuda_graphs.capture()
             max_tokens = min(self.config.prefill_cuda_graph_tokens, sched.max_num_batched_tokens)
             if max_tokens > 0:
-                self.piecewise_graphs = PiecewiseCudaGraphs(self.model, max_tokens)
+                self.piecewise_graphs = PiecewiseCudaGraphs(self.model, max_tokens, self.dtype)
                 self.piecewise_graphs.capture()
         elif use_triton(self.kv_caches[0]):
             from kernels import warm_up_decode
 
             layer = attention_layers(self.model)[0]
-            warm_up_decode(self.kv_caches[0], layer.num_heads, layer.scale)
+            warm_up_decode(self.kv_caches[0], layer.num_heads, layer.scale, self.dtype)
 
     # -- one step -------------------------------------------------------------------------
 

@@ -36,9 +36,9 @@ def capture_sizes(max_tokens: int) -> list[int]:
 
 
 class PiecewiseCudaGraphs:
-    def __init__(self, model: torch.nn.Module, max_tokens: int):
-        """`model` with its KV caches bound: their block size, dtype and device are the
-        graphs'."""
+    def __init__(self, model: torch.nn.Module, max_tokens: int, dtype: torch.dtype | None = None):
+        """`model` with its KV caches bound: their block size and device are the graphs'.
+        dtype: the activations' (None: the caches', which an fp8 cache cannot give)."""
         layers = attention_layers(model)
         shapes = {(layer.num_heads, layer.head_dim) for layer in layers}
         if len(shapes) != 1:
@@ -47,7 +47,11 @@ class PiecewiseCudaGraphs:
         cache = layers[0].kv_cache
         if cache is None:
             raise RuntimeError("bind the KV caches before building piecewise CUDA graphs")
-        dtype, device = cache.dtype, cache.device
+        if dtype is None:
+            if cache.dtype == torch.float8_e4m3fn:
+                raise ValueError("an fp8 KV cache's piecewise CUDA graphs need the model dtype")
+            dtype = cache.dtype
+        device = cache.device
         self.model = model
         self.block_size = cache.shape[2]
         self.sizes = capture_sizes(max_tokens)

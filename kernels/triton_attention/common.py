@@ -1,11 +1,18 @@
 """What the decode and prefill kernels share: the online-softmax step over one tile of
-keys, and the launch arguments both take from an attention call."""
+keys, and the launch arguments both take from an attention call.
+
+With an fp8 cache (KV_FP8) the tiles are widened to the query's dtype for the dots; the
+kernels fold k_scale into the softmax scale and v_scale into the output (both exact:
+every score is linear in its key, every output row in the values).
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_attention.kv_fp8 import kv_scale_args
 
 LOG2E = 1.4426950408889634
 
@@ -34,6 +41,7 @@ def attend_tile(
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax update of (m_i, l_i, acc) with keys n0 .. n0 + BLOCK_N - 1.
 
@@ -50,6 +58,8 @@ def attend_tile(
     kv_ptrs += d[None, :]
     kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
     k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         if CAUSAL:
@@ -61,6 +71,8 @@ def attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -68,7 +80,7 @@ def attend_tile(
 class KernelArgs:
     """What the decode and prefill launches of one attention call share."""
 
-    def __init__(self, query, kv_cache, out, scale):
+    def __init__(self, query, kv_cache, out, scale, k_scale=None, v_scale=None):
         self.query, self.out = query, out
         num_heads, head_dim = query.shape[1], query.shape[2]
         self.block_size, self.num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -81,3 +93,4 @@ class KernelArgs:
         self.qk_scale = scale * LOG2E
         k = self.k_cache
         self.cache_strides = (k.stride(0), k.stride(1), k.stride(2))
+        self.k_scale, self.v_scale, self.kv_fp8 = kv_scale_args(kv_cache, k_scale, v_scale)

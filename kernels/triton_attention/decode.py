@@ -70,13 +70,14 @@ def _merge_partitions(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_out_ptr, part_lse_ptr, counter_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, partition_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     req = tl.program_id(0)
@@ -103,15 +104,20 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + req * stride_bt
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, n0, end, m_i, k_cache_ptr, v_cache_ptr, table, kv_head, qk_scale,
             stride_cb, stride_cs, stride_ch,
             HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, MASKED=True, CAUSAL=False,
+            KV_FP8=KV_FP8,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)  # partials too: the merge is linear in them
     out = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :]
     num_valid = 1
     if not SINGLE_SPLIT:
@@ -197,6 +203,8 @@ def launch_decode(
         query_start_loc,
         seq_lens,
         block_tables,
+        a.k_scale,
+        a.v_scale,
         a.qk_scale,
         partition,
         query.stride(0),
@@ -215,6 +223,7 @@ def launch_decode(
         BLOCK_S=triton.next_power_of_2(num_splits),
         SINGLE_SPLIT=single,
         DOT_PRECISION=a.precision,
+        KV_FP8=a.kv_fp8,
         **pdl_launch(query),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,

@@ -7,6 +7,7 @@ import torch
 
 from kernels.triton_attention.common import KernelArgs
 from kernels.triton_attention.decode import launch_decode
+from kernels.triton_attention.kv_fp8 import FP8_KV_DTYPE
 from kernels.triton_attention.prefill import launch_prefill
 from kernels.triton_attention.tuning import decode_split_variants
 
@@ -24,7 +25,9 @@ def _check_attention_args(
     num_kv_heads = kv_cache.shape[3]
     assert kv_cache.shape[4] == head_dim, f"kv_cache head_dim {kv_cache.shape[4]} != {head_dim}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} q heads not a multiple of {num_kv_heads}"
-    assert kv_cache.dtype == query.dtype, f"kv_cache {kv_cache.dtype} != query {query.dtype}"
+    assert kv_cache.dtype in (query.dtype, FP8_KV_DTYPE), (
+        f"kv_cache {kv_cache.dtype} is neither the query's {query.dtype} nor fp8"
+    )
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
     block_size = kv_cache.shape[2]
     assert block_size & (block_size - 1) == 0, f"block_size {block_size} must be a power of two"
@@ -55,6 +58,8 @@ def paged_attention_triton(
     num_decodes: int = 0,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over paged context; returns [T, Hq, D].
 
@@ -65,7 +70,8 @@ def paged_attention_triton(
     otherwise be launched for every decode, and its query tiles are mostly empty rows
     for them). num_splits overrides the decode partition count (benchmarks). `out`: a
     contiguous [T, Hq, D] tensor to write into instead of a new one; rows that no request
-    owns are left as they are.
+    owns are left as they are. k_scale / v_scale: an fp8 cache's keys and values read as
+    stored * scale (None: 1.0); a 16-bit cache ignores them.
     """
     _check_attention_args(query, kv_cache, query_start_loc, seq_lens, block_tables)
     num_tokens = query.shape[0]
@@ -73,7 +79,7 @@ def paged_attention_triton(
     out = _output(query, out)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    args = KernelArgs(query, kv_cache, out, scale)
+    args = KernelArgs(query, kv_cache, out, scale, k_scale, v_scale)
     if max_query_len == 1:
         launch_decode(args, query_start_loc, seq_lens, block_tables, max_seq_len, num_splits)
         return out
@@ -94,12 +100,18 @@ def paged_attention_triton(
     return out
 
 
-def warm_up_decode(kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+def warm_up_decode(
+    kv_cache: torch.Tensor, num_heads: int, scale: float, dtype: torch.dtype | None = None
+) -> None:
     """Compile every decode kernel variant for this cache's shape now. Steps without CUDA
     graphs (enforce_eager, pipeline stages) pick the split count from the batch and its
-    longest context, and would otherwise compile the variants one by one while serving."""
+    longest context, and would otherwise compile the variants one by one while serving.
+    dtype: the queries' (None: the cache's; an fp8 cache needs it)."""
     device, head_dim = kv_cache.device, kv_cache.shape[4]
-    query = torch.zeros(1, num_heads, head_dim, dtype=kv_cache.dtype, device=device)
+    if dtype is None:
+        assert kv_cache.dtype != FP8_KV_DTYPE, "an fp8 cache's warm-up needs the query dtype"
+        dtype = kv_cache.dtype
+    query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)  # the null block

@@ -24,6 +24,8 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -42,6 +44,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -71,6 +74,8 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + req * stride_bt
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     # Keys up to the tile's first query position are visible to every row: those tiles
     # skip the causal mask. Keys past its last query position are masked for every row.
     # Key 0 is visible to every row, so m_i is finite after the first tile.
@@ -81,15 +86,19 @@ def _prefill_kernel(
             q, m_i, l_i, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
             qk_scale, stride_cb, stride_cs, stride_ch,
             HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, MASKED=False, CAUSAL=True,
+            KV_FP8=KV_FP8,
         )  # fmt: skip
     for n0 in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
             qk_scale, stride_cb, stride_cs, stride_ch,
             HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, MASKED=True, CAUSAL=True,
+            KV_FP8=KV_FP8,
         )  # fmt: skip
 
     acc = acc / l_i[:, None]
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(out_ptr + o_rows[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -118,6 +127,8 @@ def launch_prefill(
         query_start_loc,
         seq_lens,
         block_tables,
+        a.k_scale,
+        a.v_scale,
         a.qk_scale,
         query.stride(0),
         query.stride(1),
@@ -134,6 +145,7 @@ def launch_prefill(
         BLOCK_N=block_n,
         BLOCK_SIZE=a.block_size,
         DOT_PRECISION=a.precision,
+        KV_FP8=a.kv_fp8,
         **pdl_launch(query),
         num_warps=num_warps,
         num_stages=num_stages,

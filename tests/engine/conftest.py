@@ -18,6 +18,7 @@ SLOW = ray_modules("engine") | {
     "test_structured_output.py",
     "test_tool_choice_engine.py",
     "test_generation_config.py::test_an_engine_process_reports_the_defaults",
+    "test_kv_cache_fp8.py::test_the_bundled_model_with_an_fp8_cache_follows_the_float_cache",
     "test_loader.py::test_smollm2_shape_matches_the_bundled_config",
     "test_loader.py::test_bundled_gguf_weights_equal_transformers",
     "test_loader.py::test_bundled_gguf_logits_match_transformers",

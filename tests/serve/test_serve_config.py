@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
             "default_chat_template_kwargs.tools cannot be set",
         ),
         ({"dtype": "float64"}, "dtype"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype: Input should be 'auto' or 'fp8'"),
         ({"tenants": {"a": {"priorty": 1}}}, "priorty"),
         ({"api_keys": "{not json"}, "api_keys"),
         ({"served_model_name": []}, "served_model_name: .*at least one name"),
@@ -198,6 +199,12 @@ def test_kvray_serve_flags_build_the_same_config():
         }
     )
     assert args.port == 9000
+
+
+def test_the_kv_cache_dtype_flag_reaches_the_engine_arguments():
+    config, _ = parse_serve_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert engine_args(config).kv_cache_dtype == "fp8"
+    assert engine_args(load_app_config({})).kv_cache_dtype == "auto"
 
 
 def test_several_served_names_come_as_vllms_flag_or_as_json_text():
