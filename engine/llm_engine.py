@@ -97,16 +97,14 @@ class LLMEngine:
         self.executor.freeze_worker_heaps()
 
     def _log_start(self, config: EngineConfig) -> None:
-        cache = config.cache_config
+        """What runs: the weights' dtype and quantization (the KV cache's line is
+        engine/worker/kv_memory.py's)."""
         logger.info(
-            "%s: %s weights (quantization %s) on %s; KV cache %d blocks of %d tokens (%d tokens)",
+            "%s: %s weights, quantization %s, on %s",
             self.model_name,
             config.model.dtype,
             config.model.quantization,
             config.device,
-            self.num_gpu_blocks,
-            cache.block_size,
-            (self.num_gpu_blocks - 1) * cache.block_size,  # block 0 is the null block
         )
 
     def warm_up(self) -> None:
