@@ -19,6 +19,7 @@ from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary_ref import apply_rotary_ref, rotary_store_kv_ref
+from kernels.woq_ref import woq_linear_ref
 
 # Kernel name -> (its Triton function as "module:function", its torch reference). Both
 # take the same arguments.
@@ -31,6 +32,7 @@ KERNELS: dict[str, tuple[str, Callable]] = {
     "rotary_store_kv": ("kernels.triton_rotary:rotary_store_kv_triton", rotary_store_kv_ref),
     "linear": ("kernels.triton_gemv:gemv_triton", F.linear),
     "silu_and_mul": ("kernels.triton_activation:silu_and_mul_triton", silu_and_mul_ref),
+    "woq_linear": ("kernels.triton_woq:woq_linear", woq_linear_ref),
 }
 
 _torch_only = False
@@ -132,6 +134,13 @@ def silu_and_mul(x):
     return _pick("silu_and_mul", use_triton(x))(x)
 
 
+def woq_linear(x, qweight, scales, mins, bits, group_size, bias=None):
+    """F.linear by a weight-only quantized weight in the layout of kernels/woq_ref.py; a
+    16-bit input on a GPU takes the Triton kernels (kernels/triton_woq)."""
+    triton = use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)
+    return _pick("woq_linear", triton)(x, qweight, scales, mins, bits, group_size, bias)
+
+
 # Triton only (no reference): the caller decides when they apply.
 
 
@@ -186,4 +195,5 @@ __all__ = [
     "store_kv",
     "use_triton",
     "warm_up_decode",
+    "woq_linear",
 ]

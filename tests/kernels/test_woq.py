@@ -1,6 +1,7 @@
 """Weight-only quantized linear layers: the layout's reference (kernels/woq_ref.py), the
 AWQ / GPTQ repackers (engine/layers/quantization/int4_packing.py) against the reference
-quantizers of tests/support/quantizers.py."""
+quantizers of tests/support/quantizers.py, and the Triton kernels (kernels/triton_woq)
+against the reference: interpreted on a CPU, on the GPU under `-m gpu`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 from engine.layers.quantization.int4_packing import (
     AWQ_ORDER,
     awq_to_woq,
@@ -24,6 +26,18 @@ from kernels.woq_ref import (
     woq_unpack,
 )
 from tests.support.quantizers import awq_quantize, gptq_quantize
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def triton_test(fn):
+    """Marked `gpu` on a GPU machine; run in Triton's interpreter on a CPU otherwise."""
+    return pytest.mark.gpu(fn) if HAS_CUDA else fn
+
+
+def gpu_test(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(fn))
 
 
 @pytest.fixture(autouse=True)
@@ -108,6 +122,13 @@ def test_linear_ref_rounds_the_weight_to_the_activation_dtype():
     w = woq_dequantize(qweight, scales, mins, 4, 32).half().float()
     expected = F.linear(x.float(), w, bias.float()).half()
     assert torch.equal(woq_linear_ref(x, qweight, scales, mins, 4, 32, bias), expected)
+
+
+def test_cpu_woq_linear_uses_the_reference():
+    qweight, scales, mins = woq_quantize_rtn(torch.randn(8, 64), 8, 64)
+    x = torch.randn(2, 64).half()
+    out = kernels.woq_linear(x, qweight, scales, mins, 8, 64)
+    assert torch.equal(out, woq_linear_ref(x, qweight, scales, mins, 8, 64))
 
 
 # ------------------------------------------------------------------------ the repackers
@@ -222,3 +243,148 @@ def test_repackers_name_the_mismatched_tensor(name):
     a = awq_quantize(torch.randn(16, 64), 32).tensors
     with pytest.raises(ValueError, match=name):
         awq_to_woq(**dict(a, **{name: a[name][:, :-1]}), group_size=32)
+
+
+# -------------------------------------------------------------------- the Triton kernels
+
+TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+"""Relative error (Frobenius norm) against the reference: the outputs' rounding, and for
+the GEMV (which multiplies by the unrounded weights) the weights' rounding to x's dtype."""
+
+
+def assert_close_to_reference(out, x, layer, bias=None):
+    qweight, scales, mins, bits, group_size = layer
+    ref = woq_linear_ref(
+        x.cpu(), qweight.cpu(), scales.cpu(), mins.cpu(), bits, group_size,
+        None if bias is None else bias.cpu(),
+    )  # fmt: skip
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+    assert err < TOLERANCE[x.dtype], f"relative error {err:.2e}"
+
+
+def make_layer(n, k, bits, group_size):
+    qweight, scales, mins = woq_quantize_rtn(torch.randn(n, k) / k**0.5, bits, group_size)
+    return tuple(t.to(DEVICE) for t in (qweight, scales, mins)) + (bits, group_size)
+
+
+# On a CPU the interpreter runs small layers; bfloat16 only where no dot is involved.
+CPU_CASES = [(bits, g) for bits in (4, 8) for g in (16, 32, 64, 128)]
+
+
+@pytest.mark.parametrize("bits,group_size", CPU_CASES)
+@pytest.mark.parametrize("m", [1, 3])
+@triton_test
+def test_triton_woq_linear_matches_reference(bits, group_size, m):
+    from kernels.triton_woq import woq_linear
+
+    n, k = (320, 1152) if HAS_CUDA else (24, 256)
+    layer = make_layer(n, k, bits, group_size)
+    for dtype in (torch.float16, torch.bfloat16) if HAS_CUDA or m == 1 else (torch.float16,):
+        x = torch.randn(m, k, device=DEVICE).to(dtype)
+        bias = torch.randn(n, device=DEVICE).to(dtype)
+        assert_close_to_reference(woq_linear(x, *layer, bias), x, layer, bias)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("m", [16, 200])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@gpu_test
+def test_woq_linear_on_the_gpu_matches_reference(bits, group_size, m, dtype):
+    from kernels.triton_woq import woq_linear
+
+    layer = make_layer(320, 1152, bits, group_size)
+    x = torch.randn(m, 1152, device=DEVICE).to(dtype)
+    assert_close_to_reference(woq_linear(x, *layer), x, layer)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@triton_test
+def test_split_k_programs_merge_launch_after_launch(bits):
+    """Five tiles of 128 inputs in three splits (2, 2, 1): the last program of each row
+    block adds the partials and sets its counter back to zero for the next launch."""
+    from kernels.triton_woq import GemmConfig, GemvConfig, woq_gemm, woq_gemv
+    from kernels.triton_woq.common import split_counters
+
+    n, k = 8, 640
+    layer = make_layer(n, k, bits, 64)
+    gemv = GemvConfig(block_n=4, block_c=bits, num_warps=1, split=3)  # chunks of 128/bits
+    gemm = GemmConfig(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=2, split=3)
+    for _ in range(2):
+        x = torch.randn(1, k, device=DEVICE).half()
+        assert_close_to_reference(woq_gemv(x, *layer, config=gemv), x, layer)
+        x = torch.randn(5, k, device=DEVICE).half()
+        assert_close_to_reference(woq_gemm(x, *layer, config=gemm), x, layer)
+        assert not split_counters(x.device, 1).any()
+
+
+@triton_test
+def test_one_row_with_k_off_the_gemv_chunks_takes_the_gemm():
+    from kernels.triton_woq import woq_linear
+
+    layer = make_layer(12, 48, 4, 16)  # 48 inputs: not whole 32-input chunks
+    x = torch.randn(1, 48, device=DEVICE).half()
+    assert_close_to_reference(woq_linear(x, *layer), x, layer)
+
+
+@triton_test
+def test_dequantize_kernel_writes_the_reference_weight():
+    from kernels.triton_woq import woq_dequantize_triton
+
+    for bits, group_size in ((4, 128), (8, 16)):
+        qweight, scales, mins, *_ = make_layer(40, 384, bits, group_size)
+        w = woq_dequantize_triton(qweight, scales, mins, bits, group_size, torch.float16)
+        ref = woq_dequantize(qweight.cpu(), scales.cpu(), mins.cpu(), bits, group_size).half()
+        torch.testing.assert_close(w.cpu(), ref, atol=1e-3, rtol=1e-3)
+
+
+@triton_test
+def test_woq_linear_keeps_leading_dims_and_takes_empty_batches():
+    from kernels.triton_woq import woq_linear
+
+    layer = make_layer(16, 64, 4, 32)
+    x = torch.randn(2, 1, 64, device=DEVICE).half()
+    out = woq_linear(x, *layer)
+    assert out.shape == (2, 1, 16)
+    assert_close_to_reference(out.view(2, 16), x.view(2, 64), layer)
+    assert woq_linear(x[:0], *layer).shape == (0, 1, 16)
+    with pytest.raises(ValueError, match="x must be"):
+        woq_linear(x.float(), *layer)
+
+
+@gpu_test
+def test_large_batches_dequantize_then_take_cublas():
+    from kernels.triton_woq import DEQUANT_MIN_M, woq_linear
+
+    layer = make_layer(256, 512, 4, 128)
+    x = torch.randn(DEQUANT_MIN_M, 512, device=DEVICE).to(torch.bfloat16)
+    assert_close_to_reference(woq_linear(x, *layer), x, layer)
+
+
+@gpu_test
+def test_woq_linear_replays_in_a_cuda_graph_with_new_inputs():
+    from kernels.triton_woq import woq_linear
+
+    layers = [make_layer(96, 4096, 4, 128), make_layer(4096, 4096, 8, 32)]  # split, no split
+    for m in (1, 16):
+        for layer in layers:
+            x = torch.randn(m, layer[0].shape[1] * 8 // layer[3], device=DEVICE).bfloat16()
+            woq_linear(x, *layer)  # compile and size the counters outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = woq_linear(x, *layer)
+            for _ in range(2):
+                x.copy_(torch.randn_like(x))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, woq_linear(x, *layer))
+
+
+@gpu_test
+def test_cuda_woq_linear_dispatches_to_triton():
+    from kernels.triton_woq import woq_linear
+
+    layer = make_layer(64, 256, 4, 64)
+    x = torch.randn(1, 256, device=DEVICE).half()
+    assert torch.equal(kernels.woq_linear(x, *layer), woq_linear(x, *layer))
