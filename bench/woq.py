@@ -102,7 +102,7 @@ def sweep(bits: int, group: int) -> None:
         for block_n, warps in ((64, 4), (128, 8)):
             for split in (1, 2, 4, 8):
                 for stages in (2, 3, 4):
-                    cfg = GemmConfig(16, block_n, 128, warps, stages, split)
+                    cfg = GemmConfig(64, block_n, 128, warps, stages, split)
                     ms = time_layers(lambda *a, c=cfg: triton_woq.woq_gemm(*a, config=c), x, layers)
                     mark = " (default)" if cfg == default else ""
                     record(f"sweep gemm M=16 {name} {cfg}{mark}", ms)

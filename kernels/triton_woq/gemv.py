@@ -11,8 +11,10 @@ of x:
 
     sum_k x_k (q_k s + m) = s * (sum_k x_k (off_k + q_k) - sum_k off_k x_k) + m * sum_k x_k
 
-The next tile's weights are loaded while this one is computed, and the first before the
-kernel waits on the one before it (kernels.pdl): weights are never written. With split-K
+The next tile's weights are loaded while this one is computed (the last tile is computed
+after the loop, so a one-tile program loads nothing twice), and the first tile before the
+kernel waits on the one before it (kernels.pdl): weights are never written. Layers of
+whole tiles and row blocks (EVEN) take no masks. With split-K
 (narrow layers: too few programs to fill the GPU) the programs of a row block write float32
 partials, and the last to finish (a counter per row block) adds them up.
 """
@@ -30,25 +32,34 @@ from kernels.triton_woq.common import join_codes, unpack_words
 def _weight_tile(
     w_ptrs, s_ptrs, m_ptrs, w_row_ok, s_row_ok, k0, k_end,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    EVEN: tl.constexpr,
 ):  # fmt: skip
-    """Words [BLOCK_N, BLOCK_C, 4] and scale, min [BLOCK_N, BLOCK_C, pieces a chunk]
-    (float32) of the tile at input k0; zeros past k_end."""
+    """Words [BLOCK_N, BLOCK_C, 4] and scale, min [BLOCK_N, BLOCK_C, pieces a chunk] of the
+    tile at input k0; zeros past k_end and the last row (unless EVEN:
+    whole tiles and row blocks, no masks)."""
     CHUNK: tl.constexpr = 128 // BITS
-    # Masked by whole chunks: a mask constant over each 16-byte run keeps the loads 16 bytes.
-    chunk_of_word = tl.arange(0, BLOCK_C * 4) // 4
-    w_ok = w_row_ok & (k0 + chunk_of_word[None, :] * CHUNK < k_end)
-    words = tl.load(w_ptrs + k0 * BITS // 32, mask=w_ok, other=0, eviction_policy="evict_first")
-    # Scales come as [BLOCK_C, SUB, BLOCK_N] and are permuted here: loaded so, each thread
+    w_ptrs += k0 * BITS // 32
+    s_ptrs += k0 // GROUP
+    m_ptrs += k0 // GROUP
+    # Scales come as [BLOCK_C, SUB, BLOCK_N] and are permuted below: loaded so, each thread
     # holds every row of its chunk, as with the weights (no shuffle between the two).
-    chunks = tl.arange(0, BLOCK_C)[:, None, None]
-    g_ok = s_row_ok & (k0 + chunks * CHUNK < k_end)
-    s = tl.load(s_ptrs + k0 // GROUP, mask=g_ok, other=0.0).to(tl.float32)
-    m = tl.load(m_ptrs + k0 // GROUP, mask=g_ok, other=0.0).to(tl.float32)
+    if EVEN:
+        words = tl.load(w_ptrs, eviction_policy="evict_first")
+        s = tl.load(s_ptrs)
+        m = tl.load(m_ptrs)
+    else:
+        # By whole chunks: a mask constant over each 16-byte run keeps the loads 16 bytes.
+        chunk_of_word = tl.arange(0, BLOCK_C * 4) // 4
+        w_ok = w_row_ok & (k0 + chunk_of_word[None, :] * CHUNK < k_end)
+        words = tl.load(w_ptrs, mask=w_ok, other=0, eviction_policy="evict_first")
+        g_ok = s_row_ok & (k0 + tl.arange(0, BLOCK_C)[:, None, None] * CHUNK < k_end)
+        s = tl.load(s_ptrs, mask=g_ok, other=0.0)
+        m = tl.load(m_ptrs, mask=g_ok, other=0.0)
     return words.reshape(BLOCK_N, BLOCK_C, 4), tl.permute(s, (2, 0, 1)), tl.permute(m, (2, 0, 1))
 
 
 @triton.jit
-def _x_tile(x_ptr, k0, k_end, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+def _x_tile(x_ptr, k0, k_end, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
     """x [BLOCK_C, CHUNK] as float32 from input k0, a whole chunk in each thread (loaded as
     16-byte runs, 3-D so that the runs of a chunk stay in one thread); zeros past k_end."""
     chunks = tl.arange(0, BLOCK_C)[:, None, None]
@@ -57,14 +68,16 @@ def _x_tile(x_ptr, k0, k_end, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
         # bfloat16 pairs as int32: a bfloat16 is the top half of its float32.
         offs = chunks * (CHUNK // 2) + tl.arange(0, CHUNK // 8)[None, :, None] * 4
         offs += tl.arange(0, 4)[None, None, :]
-        pairs = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + k0 // 2 + offs, mask=ok, other=0)
+        ptrs = x_ptr.to(tl.pointer_type(tl.int32)) + k0 // 2 + offs
+        pairs = tl.load(ptrs) if EVEN else tl.load(ptrs, mask=ok, other=0)
         even = (pairs << 16).to(tl.float32, bitcast=True)
         odd = (pairs & -65536).to(tl.float32, bitcast=True)
         x = tl.join(even, odd)
     else:
         offs = chunks * CHUNK + tl.arange(0, CHUNK // 8)[None, :, None] * 8
         offs += tl.arange(0, 8)[None, None, :]
-        x = tl.load(x_ptr + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + k0 + offs) if EVEN else tl.load(x_ptr + k0 + offs, mask=ok, other=0.0)
+        x = x.to(tl.float32)
     return x.reshape(BLOCK_C, CHUNK)
 
 
@@ -87,7 +100,10 @@ def _tile_dot(words, s, m, x, magic_lo, magic_hi, BITS: tl.constexpr, GROUP: tl.
         offsets = 256.0 * x_even + 16.0 * x_odd
     else:
         offsets = 256.0 * (x_even + x_odd)
-    return s * (d_even + d_odd - offsets[None, :, :]) + m * (x_even + x_odd)[None, :, :]
+    s = s.to(tl.float32)
+    return (
+        s * (d_even + d_odd - offsets[None, :, :]) + m.to(tl.float32) * (x_even + x_odd)[None, :, :]
+    )
 
 
 @triton.jit
@@ -105,7 +121,7 @@ def woq_gemv_kernel(
     N, K, stride_w, stride_s, tiles_per_split, magic_lo, magic_hi,
     BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     CHUNK: tl.constexpr = 128 // BITS
     PIECE: tl.constexpr = GROUP if GROUP < CHUNK else CHUNK
@@ -122,16 +138,21 @@ def woq_gemv_kernel(
     s_offs = rows[None, None, :].to(tl.int64) * stride_s + (pieces * PIECE) // GROUP
     tile_args = (w_ptrs, s_ptr + s_offs, m_ptr + s_offs, rows[:, None] < N, rows[None, None, :] < N)
 
-    words, s, m = _weight_tile(*tile_args, k_start, k_end, BITS, GROUP, BLOCK_N, BLOCK_C)
+    words, s, m = _weight_tile(*tile_args, k_start, k_end, BITS, GROUP, BLOCK_N, BLOCK_C, EVEN)
     wait_for_previous_kernel(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_C, SUB], tl.float32)
-    for k0 in range(k_start, k_end, TILE):
-        x = _x_tile(x_ptr, k0, k_end, CHUNK, BLOCK_C)
+    # Every tile but the last loads the next one before computing its own; the last tile
+    # is computed after the loop (a layer of one tile loads nothing twice).
+    k_last = k_start + (tl.cdiv(k_end - k_start, TILE) - 1) * TILE
+    for k0 in range(k_start, k_last, TILE):
+        x = _x_tile(x_ptr, k0, k_end, CHUNK, BLOCK_C, EVEN)
         next_words, next_s, next_m = _weight_tile(
-            *tile_args, k0 + TILE, k_end, BITS, GROUP, BLOCK_N, BLOCK_C
+            *tile_args, k0 + TILE, k_end, BITS, GROUP, BLOCK_N, BLOCK_C, EVEN
         )
         acc += _tile_dot(words, s, m, x, magic_lo, magic_hi, BITS, GROUP)
         words, s, m = next_words, next_s, next_m
+    x = _x_tile(x_ptr, k_last, k_end, CHUNK, BLOCK_C, EVEN)
+    acc += _tile_dot(words, s, m, x, magic_lo, magic_hi, BITS, GROUP)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
 
     if not SPLIT:

@@ -278,7 +278,8 @@ CPU_CASES = [(bits, g) for bits in (4, 8) for g in (16, 32, 64, 128)]
 def test_triton_woq_linear_matches_reference(bits, group_size, m):
     from kernels.triton_woq import woq_linear
 
-    n, k = (320, 1152) if HAS_CUDA else (24, 256)
+    # On a CPU: whole tiles (unmasked kernels) at both M; other tests take the masks.
+    n, k = (320, 1152) if HAS_CUDA else (24 if m == 1 else 128, 256)
     layer = make_layer(n, k, bits, group_size)
     for dtype in (torch.float16, torch.bfloat16) if HAS_CUDA or m == 1 else (torch.float16,):
         x = torch.randn(m, k, device=DEVICE).to(dtype)
@@ -288,15 +289,17 @@ def test_triton_woq_linear_matches_reference(bits, group_size, m):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [16, 32, 64, 128])
-@pytest.mark.parametrize("m", [16, 200])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,k", [(256, 1024), (320, 1152)])  # whole tiles; masked ones
 @gpu_test
-def test_woq_linear_on_the_gpu_matches_reference(bits, group_size, m, dtype):
+def test_woq_linear_on_the_gpu_matches_reference(bits, group_size, dtype, n, k):
     from kernels.triton_woq import woq_linear
 
-    layer = make_layer(320, 1152, bits, group_size)
-    x = torch.randn(m, 1152, device=DEVICE).to(dtype)
-    assert_close_to_reference(woq_linear(x, *layer), x, layer)
+    layer = make_layer(n, k, bits, group_size)
+    for m in (1, 3, 16, 200):
+        x = torch.randn(m, k, device=DEVICE).to(dtype)
+        bias = torch.randn(n, device=DEVICE).to(dtype) if m == 3 else None
+        assert_close_to_reference(woq_linear(x, *layer, bias), x, layer, bias)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -319,6 +322,17 @@ def test_split_k_programs_merge_launch_after_launch(bits):
         assert not split_counters(x.device, 1).any()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@triton_test
+def test_gemv_masks_a_ragged_last_tile_and_row_block(bits):
+    from kernels.triton_woq import GemvConfig, woq_gemv
+
+    layer = make_layer(21, 320, bits, 32)  # 2.5 tiles of 128 inputs, 5.25 blocks of 4 rows
+    x = torch.randn(1, 320, device=DEVICE).half()
+    out = woq_gemv(x, *layer, config=GemvConfig(block_n=4, block_c=bits, num_warps=1, split=1))
+    assert_close_to_reference(out, x, layer)
+
+
 @triton_test
 def test_one_row_with_k_off_the_gemv_chunks_takes_the_gemm():
     from kernels.triton_woq import woq_linear
@@ -332,8 +346,8 @@ def test_one_row_with_k_off_the_gemv_chunks_takes_the_gemm():
 def test_dequantize_kernel_writes_the_reference_weight():
     from kernels.triton_woq import woq_dequantize_triton
 
-    for bits, group_size in ((4, 128), (8, 16)):
-        qweight, scales, mins, *_ = make_layer(40, 384, bits, group_size)
+    for bits, group_size, n in ((4, 128, 40), (8, 16, 40), (4, 32, 64)):  # ragged, whole
+        qweight, scales, mins, *_ = make_layer(n, 384 if n == 40 else 256, bits, group_size)
         w = woq_dequantize_triton(qweight, scales, mins, bits, group_size, torch.float16)
         ref = woq_dequantize(qweight.cpu(), scales.cpu(), mins.cpu(), bits, group_size).half()
         torch.testing.assert_close(w.cpu(), ref, atol=1e-3, rtol=1e-3)
