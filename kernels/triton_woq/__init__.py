@@ -70,7 +70,8 @@ def _split(programs: int, tiles: int, target: int) -> int:
 
 
 def gemv_config(n: int, k: int, bits: int, sms: int) -> GemvConfig:
-    """Four rows a program (each thread's inputs of x serve all four; eight rows spill),
+    """Four rows a program (each thread's inputs of x serve all four; eight take twice the
+    registers and a quarter of the occupancy),
     tiles of 128 chunks (4 warps) where K is a multiple of them, narrower tiles where it is
     not or where the layer is too narrow to fill the GPU (then K is split too)."""
     chunks = k // (128 // bits)
@@ -98,7 +99,8 @@ def gemm_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
 
 
 def _words(qweight: torch.Tensor) -> torch.Tensor:
-    """The uint8 rows read as int32 words (little-endian: code i of word w is code 8w+i)."""
+    """The uint8 rows read as int32 words (little-endian: field i of word w holds code
+    (32 // bits) * w + i)."""
     if not qweight.is_contiguous() or qweight.data_ptr() % 16:
         raise ValueError("qweight must be contiguous and 16-byte aligned")
     return qweight.view(torch.int32)
@@ -120,6 +122,8 @@ def woq_gemv(x, qweight, scales, mins, bits, group_size, bias=None, config=None)
     woq_linear_ref's by that rounding at most."""
     n, k = scales.shape[0], x.shape[1]
     cfg = config or gemv_config(n, k, bits, num_sms(x.device))
+    if cfg.block_c * (128 // bits) % group_size:
+        raise ValueError(f"a GEMV tile of {cfg.block_c} chunks holds no whole groups")
     tiles = triton.cdiv(k // (128 // bits), cfg.block_c)
     tiles_per_split = triton.cdiv(tiles, cfg.split)
     splits = triton.cdiv(tiles, tiles_per_split)
@@ -142,6 +146,8 @@ def woq_gemm(x, qweight, scales, mins, bits, group_size, bias=None, config=None)
     """x [M, K] -> [M, N] on tensor cores; config: GemmConfig (default gemm_config's)."""
     (m, k), n = x.shape, scales.shape[0]
     cfg = config or gemm_config(m, n, k, num_sms(x.device))
+    if cfg.block_k % group_size:
+        raise ValueError(f"block_k {cfg.block_k} holds no whole groups of {group_size}")
     tiles = triton.cdiv(k, cfg.block_k)
     tiles_per_split = triton.cdiv(tiles, cfg.split)
     splits = triton.cdiv(tiles, tiles_per_split)
@@ -176,7 +182,8 @@ def woq_dequantize_triton(qweight, scales, mins, bits, group_size, dtype):
 
 def woq_linear(x, qweight, scales, mins, bits, group_size, bias=None):
     """F.linear(x, W, bias) for the WOQ weight W of kernels/woq_ref.py: x [..., K] float16
-    or bfloat16 -> [..., N] in x's dtype."""
+    or bfloat16 -> [..., N] in x's dtype. One row takes W in float32 (woq_gemv), more rows
+    W rounded to x's dtype, as woq_linear_ref does."""
     n, k = check_woq(qweight, scales, mins, bits, group_size)
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
