@@ -3,11 +3,12 @@ conversions, and the split-K counters.
 
 The codes are read as int32 words straight from the layout's uint8 rows (kernels/woq_ref.py;
 a little-endian word w of a row holds codes 8w..8w+7 for 4 bits, 4w..4w+3 for 8 bits, field
-i in bits [b*i, b*(i+1))). An int-to-float conversion runs at a sixteenth of the FMA rate,
-slower than the weights stream in, so each code is moved into the mantissa of a float32
+i in bits [b*i, b*(i+1))). An int-to-float conversion issues at an eighth of the FMA rate,
+slower than 4-bit weights stream in, so each code is moved into the mantissa of a float32
 whose exponent makes it an offset plus the code: (bits & mask) | magic, one LOP3 with the
-magic held in a register. A shift by 15 puts one code at bit 15 (value 256 + q) and, for 4
-bits, the next at bit 19 (value 16 + q), so four shifts serve the eight codes of a word.
+magic held in a register. Each of four shifts (left 15, left 7, right 1, right 9) puts one
+code at bit 15 (value 256 + q) and, for 4 bits, the next at bit 19 (value 16 + q): four
+shifts serve the eight codes (or four bytes) of a word.
 The offsets are taken out once per group (the GEMV) or folded into the dequantization's
 additive term (the GEMM): w = q * s + m = (256 + q) * s + (m - 256 * s).
 """
