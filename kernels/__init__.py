@@ -20,6 +20,7 @@ from kernels.attention_ref import paged_attention_ref, store_kv_ref
 from kernels.fp8_ref import DEFAULT_BLOCK, fp8_block_linear_ref, fp8_linear_ref, quantize_fp8
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary_ref import apply_rotary_ref, rotary_store_kv_ref
+from kernels.woq_ref import woq_linear_ref
 
 # Kernel name -> (its Triton function as "module:function", its torch reference). Both
 # take the same arguments.
@@ -34,6 +35,7 @@ KERNELS: dict[str, tuple[str, Callable]] = {
     "silu_and_mul": ("kernels.triton_activation:silu_and_mul_triton", silu_and_mul_ref),
     "fp8_linear": ("kernels.triton_fp8:fp8_linear_triton", fp8_linear_ref),
     "fp8_block_linear": ("kernels.triton_fp8:fp8_block_linear_triton", fp8_block_linear_ref),
+    "woq_linear": ("kernels.triton_woq:woq_linear", woq_linear_ref),
 }
 
 _torch_only = False
@@ -173,6 +175,13 @@ def fp8_block_linear(x, weight, weight_scale_inv, bias=None, block=DEFAULT_BLOCK
     return _pick("fp8_block_linear", _fp8_eligible(x))(x, weight, weight_scale_inv, bias, block)
 
 
+def woq_linear(x, qweight, scales, mins, bits, group_size, bias=None):
+    """F.linear by a weight-only quantized weight in the layout of kernels/woq_ref.py; a
+    16-bit input on a GPU takes the Triton kernels (kernels/triton_woq)."""
+    triton = use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)
+    return _pick("woq_linear", triton)(x, qweight, scales, mins, bits, group_size, bias)
+
+
 # Triton only (no reference): the caller decides when they apply.
 
 
@@ -233,4 +242,5 @@ __all__ = [
     "store_kv",
     "use_triton",
     "warm_up_decode",
+    "woq_linear",
 ]
