@@ -19,6 +19,7 @@ from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary_ref import apply_rotary_ref, rotary_store_kv_ref
+from kernels.woq_ref import woq_linear_ref
 
 # Kernel name -> (its Triton function as "module:function", its torch reference). Both
 # take the same arguments.
@@ -31,6 +32,7 @@ KERNELS: dict[str, tuple[str, Callable]] = {
     "rotary_store_kv": ("kernels.triton_rotary:rotary_store_kv_triton", rotary_store_kv_ref),
     "linear": ("kernels.triton_gemv:gemv_triton", F.linear),
     "silu_and_mul": ("kernels.triton_activation:silu_and_mul_triton", silu_and_mul_ref),
+    "woq_linear": ("kernels.triton_woq:woq_linear_triton", woq_linear_ref),
 }
 
 _torch_only = False
@@ -132,6 +134,12 @@ def silu_and_mul(x):
     return _pick("silu_and_mul", use_triton(x))(x)
 
 
+def woq_linear(x, qweight, scales, mins, bits, group_size, bias=None):
+    """x @ w.T (+ bias) for a weight-only quantized w in the WOQ layout (kernels/woq_ref.py):
+    uint8 qweight [N, K * bits // 8], float16 scales and mins [N, K // group_size]."""
+    return _pick("woq_linear", use_triton(x))(x, qweight, scales, mins, bits, group_size, bias)
+
+
 # Triton only (no reference): the caller decides when they apply.
 
 
@@ -186,4 +194,5 @@ __all__ = [
     "store_kv",
     "use_triton",
     "warm_up_decode",
+    "woq_linear",
 ]
