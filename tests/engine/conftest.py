@@ -22,6 +22,8 @@ SLOW = ray_modules("engine") | {
     "test_loader.py::test_smollm2_shape_matches_the_bundled_config",
     "test_loader.py::test_bundled_gguf_weights_equal_transformers",
     "test_loader.py::test_bundled_gguf_logits_match_transformers",
+    "test_gguf_quantized.py::test_the_bundled_q4_1_file_kept_quantized_gives_the_dequantized_logits",
+    "test_gguf_quantized.py::test_llm_serves_the_bundled_gguf_kept_quantized",
     "test_models.py::test_tensor_parallel_two_ranks_match_transformers",  # two processes
     "test_tokenizer.py::test_encode_text_with_truncation_set_on_the_backend_still_encodes_everything",
 }
