@@ -15,6 +15,7 @@ SLOW = ray_modules("engine") | {
     "test_piecewise_graphs.py",
     "test_prompt_logprobs.py",
     "test_fp8_models.py",  # checkpoints of the bundled model in each FP8 format
+    "test_int4_models.py",  # checkpoints of the bundled model in each int4 format
     "test_structured_output.py",
     "test_tool_choice_engine.py",
     "test_generation_config.py::test_an_engine_process_reports_the_defaults",
