@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     base["max_num_batched_tokens"] = sched.max_num_batched_tokens
     base["quantization"] = llm.engine.config.model.quantization
     base["kv_blocks"] = llm.engine.num_gpu_blocks
+    base["kv_cache_dtype"] = llm.engine.config.cache_config.kv_cache_dtype
     emit({**base, "bench": "startup", "startup_s": round(startup_s, 1)}, args.record)
     vocab = llm.engine.vocab_size
     for name, n, inp, out in WORKLOADS[shape]:
