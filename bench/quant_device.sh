@@ -13,7 +13,7 @@ out=${OUT:-device-logs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-lines() { grep --line-buffered '^{' | tee -a "$out/quant.jsonl"; }
+lines() { tee -a "$out/full.log" | grep --line-buffered "^{" | tee -a "$out/quant.jsonl"; }
 for stage in "$@"; do
   case $stage in
     tests)
