@@ -14,7 +14,8 @@ Which activations are quantized (the same rule on every device; the GPU kernels 
   per token with its own scale (amax / 448 of the row), or with the checkpoint's static
   scalar `input_scale`. Block-wise weights take one activation scale per token and
   128-column group (the block's width), the scheme their checkpoints were made for; the
-  block scales then apply per (group, block) product.
+  block scales then apply per (group, block) product. Blocks too narrow for an fp8 dot's
+  K step (32) keep W8A16.
 - `fp8_linear` keeps W8A16 at any batch where N or K is not a multiple of 16: fp8 GEMMs
   (torch._scaled_mm) need both.
 """
@@ -36,17 +37,37 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def quantizes_activations(num_tokens: int, n: int, k: int, block: bool) -> bool:
+FP8_DOT_MIN_K = 32
+"""The least K step of a tensor-core dot of two fp8 operands (16-bit ones take 16)."""
+
+
+def block_k_step(columns: int, least: int) -> int | None:
+    """The largest power of two up to 128 that divides a block's `columns`, if at least
+    `least` (a K step that keeps each step inside one block of scales); else None."""
+    step = 128
+    while columns % step:
+        step //= 2
+    return step if step >= least else None
+
+
+def quantizes_activations(num_tokens: int, n: int, k: int, block: tuple[int, int] | None) -> bool:
     """Whether a batch of `num_tokens` rows through an [n, k] fp8 layer quantizes its
-    activations (W8A8) or keeps them 16-bit (W8A16); see the module docstring."""
+    activations (W8A8) or keeps them 16-bit (W8A16); see the module docstring. block: the
+    weight's block scales (None: per-channel); blocks too narrow for an fp8 dot's K step
+    keep W8A16."""
     if num_tokens <= W8A16_MAX_TOKENS:
         return False
-    return block or (n % 16 == 0 and k % 16 == 0)
+    if block is not None:
+        return block_k_step(block[1], FP8_DOT_MIN_K) is not None
+    return n % 16 == 0 and k % 16 == 0
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """float32 scale amax / 448, at least MIN_SCALE."""
-    return (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
+    """float32 scale amax / 448, at least MIN_SCALE. Divided by a tensor of 448s: CUDA
+    divides by a scalar as a multiplication by its reciprocal, a bit off true division
+    (which the Triton quantizers do)."""
+    amax = amax.float()
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -182,7 +203,7 @@ def fp8_linear_ref(
     check_channel_scale(weight, weight_scale)
     n, k = weight.shape
     a = x.reshape(-1, k).float()
-    if quantizes_activations(a.shape[0], n, k, block=False):
+    if quantizes_activations(a.shape[0], n, k, None):
         if input_scale is None:
             q, a_scale = quantize_fp8_per_token(a)
         else:
@@ -206,7 +227,7 @@ def fp8_block_linear_ref(
     check_block_scale(weight, weight_scale_inv, block)
     n, k = weight.shape
     a = x.reshape(-1, k).float()
-    if quantizes_activations(a.shape[0], n, k, block=True):
+    if quantizes_activations(a.shape[0], n, k, block):
         q, a_scale = quantize_fp8_per_token_group(a, block[1])
         a = q.float() * a_scale.repeat_interleave(block[1], dim=1)[:, :k]
     return _finish(x, a, dequantize_fp8_block(weight, weight_scale_inv, block), bias)

@@ -86,7 +86,7 @@ def fp8_linear_triton(
     a = _rows(x, k)
     weight = _row_major(weight)
     m = a.shape[0]
-    if quantizes_activations(m, n, k, block=False):
+    if quantizes_activations(m, n, k, None):
         static = None if input_scale is None else input_scale.float().reshape(())
         q, q_scale = quantize_per_token_triton(a, static)
         y = _scaled_mm(q, q_scale, weight, weight_scale, bias, x.dtype)
@@ -115,7 +115,7 @@ def fp8_block_linear_triton(
     weight = _row_major(weight)
     scale = weight_scale_inv.float()
     m = a.shape[0]
-    if quantizes_activations(m, n, k, block=True):
+    if quantizes_activations(m, n, k, block):
         q, q_scale = quantize_per_token_group_triton(a, block[1])
         y = fp8_gemm(q, q_scale, weight, scale, bias, x.dtype, block)
     elif m == 1 and gemv_fits(block):

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_ref import cdiv
+from kernels.fp8_ref import FP8_DOT_MIN_K, block_k_step, cdiv
 from kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 GEMV_BLOCK_N = 4
@@ -242,15 +242,13 @@ def fp8_gemv(
     return y
 
 
-def gemm_block_k(block: tuple[int, int] | None) -> int | None:
+def gemm_block_k(block: tuple[int, int] | None, fp8_operands: bool = False) -> int | None:
     """The GEMM's BLOCK_K for these scales: the largest power of two up to GEMM_BLOCK_K that
-    divides the block's columns; None where that is under 16 (a tensor-core dot's least)."""
+    divides the block's columns; None where that is under a tensor-core dot's least K step
+    (16, or 32 for two fp8 operands)."""
     if block is None:
         return GEMM_BLOCK_K
-    block_k = GEMM_BLOCK_K
-    while block[1] % block_k:
-        block_k //= 2
-    return block_k if block_k >= 16 else None
+    return block_k_step(block[1], FP8_DOT_MIN_K if fp8_operands else 16)
 
 
 def _gemm_tiles(m: int, n: int, device: torch.device) -> dict[str, int]:
@@ -306,7 +304,7 @@ def fp8_gemm(
         A_FP8=a_scale is not None,
         BLOCK_SCALES=block is not None,
         HAS_BIAS=bias is not None,
-        BLOCK_K=gemm_block_k(block),
+        BLOCK_K=gemm_block_k(block, fp8_operands=a_scale is not None),
         **tiles,
         **pdl_launch(a),
     )

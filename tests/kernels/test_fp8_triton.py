@@ -56,10 +56,20 @@ def _seed():
     torch.manual_seed(0)
 
 
+# fp8 x fp8 products on tensor cores (torch._scaled_mm with fast accumulation, as vLLM's
+# fp8 GEMMs run, and Triton's fp8 dots) carry partial sums with fewer bits than float32
+# for a few K steps at a time: results of order 1 differ from the float32 reference by a
+# few hundredths at K in the thousands.
+W8A8_TOLERANCE = dict(atol=6e-2, rtol=3e-2)
+
+
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.dtype == ref.dtype and out.shape == ref.shape
     assert not out.isnan().any(), "NaN in kernel output"
-    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[ref.dtype])
+    m, n = out.reshape(-1, out.shape[-1]).shape
+    w8a8 = out.is_cuda and m > W8A16_MAX_TOKENS
+    tolerance = W8A8_TOLERANCE if w8a8 else TOLERANCES[ref.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), **tolerance)
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, with_bias: bool):
