@@ -8,7 +8,8 @@ format's checkpoint is written from the bundled model's float weights by the ref
 quantizers of the tests (tests/support), loaded by kvray, and scored over non-overlapping
 windows of `--window` tokens: perplexity = exp(mean negative log-likelihood of every token
 after a window's first). "f32" is the bundled GGUF's weights dequantized to float32, the
-float model every format is compared with.
+float model every format is compared with. Groups of 64 for AWQ/GPTQ, and no GGUF K-quants:
+the bundled model's 576 inputs are no multiple of 128 or 256.
 """
 
 from __future__ import annotations
@@ -55,12 +56,66 @@ def _fp8_scheme(scheme: str) -> Callable[[Path], tuple[Path, str]]:
     return build
 
 
+def _int4(config: dict) -> Callable[[Path], tuple[Path, str]]:
+    def build(root: Path) -> tuple[Path, str]:
+        from tests.support.bundled_checkpoints import bundled_float_weights
+        from tests.support.quantizers import int4_checkpoint
+
+        tensors, _ = int4_checkpoint(bundled_float_weights()[1], config)
+        name = f"{config['quant_method']}-{config['bits']}-{config['group_size']}"
+        return _hf_folder(root, name, tensors, config), "auto"
+
+    return build
+
+
+def _gguf(type_name: str) -> Callable[[Path], tuple[Path, str]]:
+    """The bundled file's linear layers rewritten in one GGUF type (its embeddings and head
+    as they are); "Q4_1" is the bundled file itself."""
+
+    def build(root: Path) -> tuple[Path, str]:
+        from gguf import GGMLQuantizationType
+
+        from engine.bundled import bundled_model_path
+        from tests.support.gguf_checkpoints import read_gguf_floats, write_gguf
+
+        if type_name == "Q4_1":
+            return bundled_model_path(), "gguf"
+        metadata, tensors = read_gguf_floats(bundled_model_path())
+        qtype = GGMLQuantizationType[type_name]
+        types = {n: qtype for n in tensors if n.startswith("blk.") and n.endswith(_GGUF_LINEAR)}
+        types |= {n: GGMLQuantizationType.F32 for n in tensors if n not in types}
+        return write_gguf(root / f"{type_name}.gguf", tensors, types, metadata), "gguf"
+
+    return build
+
+
+_GGUF_LINEAR = tuple(
+    f"{part}.weight"
+    for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+)
+
 FORMATS: dict[str, Callable[[Path], tuple[Path, str]]] = {
     "f32": _float,
     "fp8": _fp8_online,
     "fp8-tensor": _fp8_scheme("fp8-tensor"),
     "fp8-block": _fp8_scheme("fp8-block"),
     "ct-channel": _fp8_scheme("ct-channel"),
+    "awq-g64": _int4(
+        {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
+    ),
+    "gptq-g64": _int4(
+        {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": 64,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        }
+    ),
+    "gguf-q4_1": _gguf("Q4_1"),
+    "gguf-q4_0": _gguf("Q4_0"),
+    "gguf-q8_0": _gguf("Q8_0"),
 }
 """Format -> a function writing its checkpoint under a folder: (model path, quantization)."""
 
@@ -98,7 +153,12 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.formats:
             start = time.perf_counter()
             path, quantization = FORMATS[name](Path(tmp))
-            model = load_checkpoint(path, quantization)
+            if str(path).endswith(".gguf"):
+                from tests.support.gguf_checkpoints import load_gguf
+
+                model = load_gguf(path, quantization)
+            else:
+                model = load_checkpoint(path, quantization)
             ppl = perplexity(model, ids, args.window)
             reference = ppl if name == "f32" else reference
             result = {

@@ -8,8 +8,6 @@ logits spread over about +-20) and the greedy tokens are the same. Groups of 64 
 are no multiple of 128: the kernel tests cover groups of 128).
 """
 
-import zlib
-
 import pytest
 import torch
 
@@ -17,12 +15,11 @@ from tests.support.bundled_checkpoints import (
     PROMPT,
     bundled_float_weights,
     greedy_tokens,
-    is_quantized_linear,
     load_checkpoint,
     logits_of,
     write_checkpoint,
 )
-from tests.support.quantizers import awq_quantize, gptq_quantize
+from tests.support.quantizers import int4_checkpoint
 
 LOGIT_ATOL = 0.1
 FORMATS = {
@@ -58,41 +55,6 @@ FORMATS = {
         "checkpoint_format": "gptq",
     },
 }
-# Layers that read the same input share an activation order (as GPTQ's Hessian gives them).
-_INPUT_OF = {
-    "q_proj": "attn",
-    "k_proj": "attn",
-    "v_proj": "attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "o_proj": "o",
-    "down_proj": "down",
-}
-
-
-def _quantize(weights: dict[str, torch.Tensor], config: dict):
-    tensors, floats = {}, {}
-    for name, w in weights.items():
-        if not is_quantized_linear(name):
-            tensors[name] = floats[name] = w
-            continue
-        base = name.removesuffix(".weight")
-        if config["quant_method"] == "awq":
-            made = awq_quantize(w, config["group_size"])
-        else:
-            layer, module = base.split(".")[2], base.rsplit(".", 1)[1]
-            seed = zlib.crc32(f"{layer}.{_INPUT_OF[module]}".encode())
-            made = gptq_quantize(
-                w,
-                config["group_size"],
-                bits=config["bits"],
-                sym=config["sym"],
-                act_order=config["desc_act"],
-                seed=seed,
-            )
-        tensors |= {f"{base}.{suffix}": t for suffix, t in made.tensors.items()}
-        floats[name] = made.dequantized
-    return tensors, floats
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +63,7 @@ def checkpoints(tmp_path_factory):
     _, weights = bundled_float_weights()
     made = {}
     for name, config in FORMATS.items():
-        tensors, floats = _quantize(weights, config)
+        tensors, floats = int4_checkpoint(weights, config)
         made[name] = (
             write_checkpoint(root / name, tensors, config),
             load_checkpoint(write_checkpoint(root / f"{name}-f", floats)),

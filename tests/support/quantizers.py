@@ -7,11 +7,13 @@ scale.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
 
 from engine.layers.quantization.int4_packing import AWQ_ORDER, pack_int32
+from tests.support.bundled_checkpoints import is_quantized_linear
 
 
 @dataclass
@@ -113,3 +115,42 @@ def gptq_quantize(
         "g_idx": g_idx,
     }
     return QuantizedCheckpoint(tensors, _dequantized(q, z, s16, g_idx.long()), q, z)
+
+
+# Layers that read the same input share an activation order (as GPTQ's Hessian gives them).
+_INPUT_OF = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "o_proj": "o",
+    "down_proj": "down",
+}
+
+
+def int4_checkpoint(weights: dict[str, torch.Tensor], config: dict):
+    """A whole model's AWQ or GPTQ checkpoint (its quantization_config: `config`) of HF-named
+    float weights: (checkpoint tensors, the float weights they dequantize to)."""
+    tensors, floats = {}, {}
+    for name, w in weights.items():
+        if not is_quantized_linear(name):
+            tensors[name] = floats[name] = w
+            continue
+        base = name.removesuffix(".weight")
+        if config["quant_method"] == "awq":
+            made = awq_quantize(w, config["group_size"])
+        else:
+            layer, module = base.split(".")[2], base.rsplit(".", 1)[1]
+            seed = zlib.crc32(f"{layer}.{_INPUT_OF[module]}".encode())
+            made = gptq_quantize(
+                w,
+                config["group_size"],
+                bits=config["bits"],
+                sym=config["sym"],
+                act_order=config["desc_act"],
+                seed=seed,
+            )
+        tensors |= {f"{base}.{suffix}": t for suffix, t in made.tensors.items()}
+        floats[name] = made.dequantized
+    return tensors, floats
