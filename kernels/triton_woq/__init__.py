@@ -34,6 +34,11 @@ DEQUANT_MIN_M = 1024
 # tiles each); a GEMM program holds more work and more registers.
 GEMV_PROGRAMS_PER_SM = 4
 GEMM_PROGRAMS_PER_SM = 2
+# A GEMV tile holds at least one chunk a thread (block_c >= 32 * num_warps): with fewer,
+# a chunk's inputs of x span several threads, and Triton 3.6 compiles the sum of x over
+# each piece (gemv._tile_dot) into shuffles across the wrong lanes, adding other chunks'
+# inputs (seen in the PTX for sm_90; the interpreter computes it right).
+MIN_CHUNKS_A_WARP = 32
 DEQUANT_TILE = (32, 128)  # (rows, inputs) of a woq_dequant_kernel program
 
 
@@ -75,13 +80,15 @@ def gemv_config(n: int, k: int, bits: int, sms: int) -> GemvConfig:
     tiles of 128 chunks (4 warps) where K is a multiple of them, narrower tiles where it is
     not or where the layer is too narrow to fill the GPU (then K is split too)."""
     chunks = k // (128 // bits)
-    block_c = min(128, triton.next_power_of_2(chunks))
-    while block_c > 32 and chunks % block_c:
+    # Never fewer chunks than a warp's threads (woq_gemv refuses such tiles): a short layer
+    # takes one masked tile of 32 chunks.
+    block_c = max(MIN_CHUNKS_A_WARP, min(128, triton.next_power_of_2(chunks)))
+    while block_c > MIN_CHUNKS_A_WARP and chunks % block_c:
         block_c //= 2
     block_n = 4
     programs = triton.cdiv(n, block_n)
     target = GEMV_PROGRAMS_PER_SM * sms
-    while block_c > 32 and programs * triton.cdiv(chunks, block_c) < target:
+    while block_c > MIN_CHUNKS_A_WARP and programs * triton.cdiv(chunks, block_c) < target:
         block_c //= 2
     split = _split(programs, triton.cdiv(chunks, block_c), target)
     return GemvConfig(block_n, block_c, max(1, min(4, block_c // 32)), split)
@@ -122,6 +129,10 @@ def woq_gemv(x, qweight, scales, mins, bits, group_size, bias=None, config=None)
     woq_linear_ref's by that rounding at most."""
     n, k = scales.shape[0], x.shape[1]
     cfg = config or gemv_config(n, k, bits, num_sms(x.device))
+    if cfg.block_c < MIN_CHUNKS_A_WARP * cfg.num_warps:
+        raise ValueError(
+            f"block_c {cfg.block_c} gives fewer chunks than the {cfg.num_warps} warps' threads"
+        )
     if cfg.block_c * (128 // bits) % group_size:
         raise ValueError(f"a GEMV tile of {cfg.block_c} chunks holds no whole groups")
     tiles = triton.cdiv(k // (128 // bits), cfg.block_c)

@@ -3,8 +3,8 @@ registers.
 
 Each program owns BLOCK_N rows and walks K in tiles of BLOCK_C chunks; a chunk is the 16
 bytes of a row that one thread loads at once: CHUNK = 128 // bits inputs. A thread owns
-one chunk of every row of the program, and its CHUNK inputs of x, read once, serve all
-BLOCK_N rows. A chunk holds SUB pieces of min(G, CHUNK) inputs, each inside one group. Per
+one chunk (or more, never less: see triton_woq.MIN_CHUNKS_A_WARP) of every row of the
+program, and its CHUNK inputs of x, read once, serve all BLOCK_N rows. A chunk holds SUB pieces of min(G, CHUNK) inputs, each inside one group. Per
 piece and row the codes' dot with x runs in float32 in the thread, on the magic floats of
 common.py; the group's scale multiplies that sum once, and the min meets the piece's sum
 of x:

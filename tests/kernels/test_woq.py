@@ -305,14 +305,15 @@ def test_woq_linear_on_the_gpu_matches_reference(bits, group_size, dtype, n, k):
 @pytest.mark.parametrize("bits", [4, 8])
 @triton_test
 def test_split_k_programs_merge_launch_after_launch(bits):
-    """Five tiles of 128 inputs in three splits (2, 2, 1): the last program of each row
-    block adds the partials and sets its counter back to zero for the next launch."""
+    """Five GEMV tiles (32 chunks of 128 // bits inputs) in three splits (2, 2, 1), forty
+    GEMM tiles in (14, 14, 12): the last program of each row block adds the partials and
+    sets its counter back to zero for the next launch."""
     from kernels.triton_woq import GemmConfig, GemvConfig, woq_gemm, woq_gemv
     from kernels.triton_woq.common import split_counters
 
-    n, k = 8, 640
+    n, k = 8, 5 * 32 * (128 // bits)
     layer = make_layer(n, k, bits, 64)
-    gemv = GemvConfig(block_n=4, block_c=bits, num_warps=1, split=3)  # chunks of 128/bits
+    gemv = GemvConfig(block_n=4, block_c=32, num_warps=1, split=3)
     gemm = GemmConfig(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=2, split=3)
     for _ in range(2):
         x = torch.randn(1, k, device=DEVICE).half()
@@ -327,10 +328,38 @@ def test_split_k_programs_merge_launch_after_launch(bits):
 def test_gemv_masks_a_ragged_last_tile_and_row_block(bits):
     from kernels.triton_woq import GemvConfig, woq_gemv
 
-    layer = make_layer(21, 320, bits, 32)  # 2.5 tiles of 128 inputs, 5.25 blocks of 4 rows
-    x = torch.randn(1, 320, device=DEVICE).half()
-    out = woq_gemv(x, *layer, config=GemvConfig(block_n=4, block_c=bits, num_warps=1, split=1))
+    k = 80 * (128 // bits)  # 2.5 tiles of 32 chunks
+    layer = make_layer(21, k, bits, 32)  # 5.25 blocks of 4 rows
+    x = torch.randn(1, k, device=DEVICE).half()
+    out = woq_gemv(x, *layer, config=GemvConfig(block_n=4, block_c=32, num_warps=1, split=1))
     assert_close_to_reference(out, x, layer)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@triton_test
+def test_gemv_of_a_short_layer_takes_one_masked_tile_of_a_chunk_a_thread(bits):
+    """K of a few chunks (the bundled model's 64 inputs): the default config still gives
+    every thread a chunk (narrower tiles are miscompiled on the GPU), the rest masked."""
+    from kernels.triton_woq import gemv_config, woq_linear
+
+    for n, k in ((24, 64), (40, 256)):
+        cfg = gemv_config(n, k, bits, 132)
+        assert cfg.block_c >= 32 * cfg.num_warps
+        layer = make_layer(n, k, bits, 16)
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(1, k, device=DEVICE).to(dtype)
+            bias = torch.randn(n, device=DEVICE).to(dtype)
+            assert_close_to_reference(woq_linear(x, *layer, bias), x, layer, bias)
+
+
+@pytest.mark.parametrize("block_c, num_warps", [(8, 1), (32, 2)])
+def test_gemv_refuses_tiles_of_fewer_chunks_than_threads(block_c, num_warps):
+    from kernels.triton_woq import GemvConfig, woq_gemv
+
+    layer = make_layer(8, 1024, 4, 32)
+    x = torch.randn(1, 1024, device=DEVICE).half()
+    with pytest.raises(ValueError, match="block_c"):
+        woq_gemv(x, *layer, config=GemvConfig(4, block_c, num_warps, 1))
 
 
 @triton_test
