@@ -2,7 +2,7 @@
 must not depend on the bundled model (the GPU machine has none).
 
 Its sizes are multiples of 256 where a layer's inputs are (the K-quants' blocks need it).
-It carries a byte-level tokenizer of its vocabulary (each byte one token, one merge,
+It carries a byte-level tokenizer of its vocabulary (each byte one token, two merges,
 then named tokens), enough for the engine to load one; tests prompt it with token ids.
 """
 
@@ -48,7 +48,8 @@ def _metadata() -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]
     spelled.update(
         {b: chr(256 + i) for i, b in enumerate(x for x in range(256) if x not in spelled)}
     )
-    tokens = [spelled[b] for b in range(256)] + ["ab"] + [f"<tok{i}>" for i in range(257, VOCAB)]
+    tokens = [spelled[b] for b in range(256)] + ["ab", "cd"]
+    tokens += [f"<tok{i}>" for i in range(len(tokens), VOCAB)]
     return [
         ("general.name", "random-llama", V.STRING, None),
         ("llama.block_count", LAYERS, V.UINT32, None),
@@ -64,7 +65,9 @@ def _metadata() -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]
         ("tokenizer.ggml.model", "gpt2", V.STRING, None),
         ("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
         ("tokenizer.ggml.token_type", [1] * VOCAB, V.ARRAY, V.INT32),
-        ("tokenizer.ggml.merges", ["a b"], V.ARRAY, V.STRING),
+        # Two merges: an array of one string reaches some transformers versions as the
+        # string itself, whose characters then read as one-part merges.
+        ("tokenizer.ggml.merges", ["a b", "c d"], V.ARRAY, V.STRING),
         ("tokenizer.ggml.bos_token_id", VOCAB - 2, V.UINT32, None),
         ("tokenizer.ggml.eos_token_id", VOCAB - 1, V.UINT32, None),
     ]
