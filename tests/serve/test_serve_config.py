@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ),
         ({"dtype": "float64"}, "dtype"),
         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype: Input should be 'auto' or 'fp8'"),
+        ({"quantization": "int3"}, "quantization: Input should be 'auto', 'none', 'fp8'"),
         ({"tenants": {"a": {"priorty": 1}}}, "priorty"),
         ({"api_keys": "{not json"}, "api_keys"),
         ({"served_model_name": []}, "served_model_name: .*at least one name"),
@@ -502,3 +503,10 @@ def test_colocated_ingress_takes_the_engine_replicas_options():
     assert capacity == 5 * expected["max_ongoing_requests"]  # running + 4x as many waiting
     assert ingress._deployment_config.max_ongoing_requests > capacity
     assert ingress._deployment_config.max_queued_requests == -1
+
+
+def test_the_quantization_flag_and_key_reach_the_engine_arguments():
+    config, _ = parse_serve_args(["serve", "--quantization", "fp8"])
+    assert engine_args(config).quantization == "fp8"
+    assert engine_args(load_app_config({"quantization": "awq"})).quantization == "awq"
+    assert engine_args(load_app_config({})).quantization == "auto"
