@@ -4,6 +4,10 @@
 `create_engine_config()` resolves the "auto" values once into a frozen `EngineConfig`, and
 nothing mutates a config afterwards. Importing this module loads no torch (the Serve app's keys
 and `kvray serve --help` are built from these classes): torch loads where a value needs it.
+
+Longer than most modules: every engine key lives here with its doc (docs/configuration.md is
+drawn from them), and a key's check sits beside its field; split, the keys would have two
+homes.
 """
 
 from __future__ import annotations

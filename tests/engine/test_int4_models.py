@@ -13,6 +13,7 @@ import torch
 
 from tests.support.bundled_checkpoints import (
     PROMPT,
+    assert_ranks_hold_layers,
     bundled_float_weights,
     greedy_tokens,
     load_checkpoint,
@@ -87,22 +88,7 @@ def test_an_int4_checkpoint_gives_the_float_models_logits_and_tokens(checkpoints
 @pytest.mark.parametrize("name", ["awq-g64", "gptq-g32"])
 def test_tensor_parallel_ranks_hold_the_int4_layers_between_them(checkpoints, name):
     """Three ranks (the bundled model's 9 heads and 3 KV heads do not split in two)."""
-    folder, _ = checkpoints[name]
-    whole = load_checkpoint(folder).model.layers[1]
-    ranks = [load_checkpoint(folder, tp_rank=r, tp_size=3).model.layers[1] for r in range(3)]
-    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        parts = [layer.self_attn.qkv_proj(x) for layer in ranks]
-        q, k, v = (
-            torch.cat([p[:, a:b] for p in parts], 1) for a, b in ((0, 192), (192, 256), (256, 320))
-        )
-        torch.testing.assert_close(torch.cat([q, k, v], 1), whole.self_attn.qkv_proj(x))
-        h = torch.randn(3, 1536, generator=torch.Generator().manual_seed(1))
-        down = [
-            layer.mlp.down_proj.method.apply(layer.mlp.down_proj, part)
-            for layer, part in zip(ranks, h.chunk(3, dim=1))
-        ]
-        torch.testing.assert_close(sum(down), whole.mlp.down_proj(h), atol=1e-4, rtol=0)
+    assert_ranks_hold_layers(checkpoints[name][0])
 
 
 def test_an_act_order_checkpoint_is_refused_where_ranks_would_split_its_inputs(checkpoints):

@@ -14,12 +14,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 from engine import LLM, SamplingParams
 from engine.bundled import bundled_model_path
 from engine.config import EngineArgs
-from engine.forward_context import AttentionMetadata, forward_context
-from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.layers.norm import RMSNorm
 from engine.models.registry import architectures_of, get_model_class
 from engine.models.shapes import SHAPE_NAMES, get_shape_config
 from engine.worker.loader import ModelSource, load_hf_config, load_model, resolve_model_source
+from tests.support.bundled_checkpoints import logits_of
 
 CPU = torch.device("cpu")
 
@@ -37,22 +36,6 @@ def _tiny_config(**kw) -> LlamaConfig:
         architectures=["LlamaForCausalLM"],
         **kw,
     )
-
-
-def logits_of(model, ids: list[int]) -> torch.Tensor:
-    """One whole-prompt forward without a KV cache."""
-    bind_kv_caches(model, [None] * len(attention_layers(model)))
-    n = len(ids)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((n,), -1, dtype=torch.long),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        max_query_len=n,
-        max_seq_len=n,
-    )
-    with torch.no_grad(), forward_context(meta):
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(n)))
 
 
 def unpacked_state_dict(model) -> dict[str, torch.Tensor]:

@@ -110,3 +110,26 @@ def greedy_tokens(model, ids: list[int], n: int) -> list[int]:
 
 PROMPT = [504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 7158, 314]
 """The bundled tokenizer's ids of "The capital of France is Paris. The capital of Italy is"."""
+
+
+def assert_ranks_hold_layers(folder: Path | str, layer: int = 1) -> None:
+    """Three tensor-parallel ranks of a checkpoint of the bundled model (its 9 heads and 3
+    KV heads do not split in two) hold one layer between them: their qkv outputs put back
+    in head order, and their down_proj partial sums added, are the whole layer's."""
+    whole = load_checkpoint(folder).model.layers[layer]
+    ranks = [load_checkpoint(folder, tp_rank=r, tp_size=3).model.layers[layer] for r in range(3)]
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # column-parallel: rank r holds [q_r | k_r | v_r] (3 q heads, 1 k, 1 v of 64)
+        parts = [rank.self_attn.qkv_proj(x) for rank in ranks]
+        q, k, v = (
+            torch.cat([p[:, a:b] for p in parts], 1) for a, b in ((0, 192), (192, 256), (256, 320))
+        )
+        torch.testing.assert_close(torch.cat([q, k, v], 1), whole.self_attn.qkv_proj(x))
+        # row-parallel: each rank multiplies its third of the inputs
+        h = torch.randn(3, 1536, generator=torch.Generator().manual_seed(1))
+        down = [
+            rank.mlp.down_proj.method.apply(rank.mlp.down_proj, part)
+            for rank, part in zip(ranks, h.chunk(3, dim=1), strict=True)
+        ]
+        torch.testing.assert_close(sum(down), whole.mlp.down_proj(h), atol=1e-4, rtol=0)

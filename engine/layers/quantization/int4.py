@@ -53,6 +53,36 @@ class _OnlineInt4(WoqLinearMethod):
         )
 
 
+def _register_zeros_and_scales(
+    layer, input_size: int, out: int, group: int, zeros_per_word: int
+) -> None:
+    """AWQ's and GPTQ's `qzeros` int32 [K/G, N/zeros_per_word] and `scales` fp16 [K/G, N],
+    one row per group of inputs."""
+    layer.register_parameter(
+        "qzeros",
+        empty_param(
+            input_size // group,
+            out // zeros_per_word,
+            dtype=torch.int32,
+            input_dim=0,
+            input_pack=group,
+            output_dim=1,
+            output_pack=zeros_per_word,
+        ),
+    )
+    layer.register_parameter(
+        "scales",
+        empty_param(
+            input_size // group,
+            out,
+            dtype=torch.float16,
+            input_dim=0,
+            input_pack=group,
+            output_dim=1,
+        ),
+    )
+
+
 class AwqLinearMethod(WoqLinearMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         out, group = sum(output_sizes), self.group_size
@@ -63,29 +93,7 @@ class AwqLinearMethod(WoqLinearMethod):
                 input_size, out // 8, dtype=int32, input_dim=0, output_dim=1, output_pack=8
             ),
         )
-        layer.register_parameter(
-            "qzeros",
-            empty_param(
-                input_size // group,
-                out // 8,
-                dtype=int32,
-                input_dim=0,
-                input_pack=group,
-                output_dim=1,
-                output_pack=8,
-            ),
-        )
-        layer.register_parameter(
-            "scales",
-            empty_param(
-                input_size // group,
-                out,
-                dtype=torch.float16,
-                input_dim=0,
-                input_pack=group,
-                output_dim=1,
-            ),
-        )
+        _register_zeros_and_scales(layer, input_size, out, group, zeros_per_word=8)
 
     def prepare(self, layer):
         parts = awq_to_woq(
@@ -114,29 +122,7 @@ class GptqLinearMethod(WoqLinearMethod):
                 output_dim=1,
             ),
         )
-        layer.register_parameter(
-            "qzeros",
-            empty_param(
-                input_size // group,
-                out // per_word,
-                dtype=int32,
-                input_dim=0,
-                input_pack=group,
-                output_dim=1,
-                output_pack=per_word,
-            ),
-        )
-        layer.register_parameter(
-            "scales",
-            empty_param(
-                input_size // group,
-                out,
-                dtype=torch.float16,
-                input_dim=0,
-                input_pack=group,
-                output_dim=1,
-            ),
-        )
+        _register_zeros_and_scales(layer, input_size, out, group, zeros_per_word=per_word)
         # Each fused shard loads its own g_idx; they share the layer's input, so activation
         # order gives them the same one (checked on loading).
         layer.register_parameter(
