@@ -30,7 +30,7 @@ from engine.layers.quantization import resolve_quantization
 if TYPE_CHECKING:
     import torch
 
-DType = Literal["auto", "float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
 
 
 class _Frozen(BaseModel):
@@ -48,7 +48,9 @@ class ModelConfig(_Frozen):
     """Name in the API; defaults to the model's folder or file name. Several (vLLM's
     aliases): requests may name any, responses carry the first."""
     dtype: DType = "auto"
-    """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmuls on a CPU are slow and inexact)."""
+    """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmuls on a CPU are slow and
+    inexact). fp8 (the guides' "FP8 mixed precision"): FP8 weights with 16-bit activations,
+    the same as quantization="fp8" with dtype auto; it needs a GPU with FP8."""
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     quantization: Literal["auto", "none", "fp8", "compressed-tensors", "awq", "gptq", "gguf"] = (
         "auto"
@@ -80,8 +82,10 @@ class ModelConfig(_Frozen):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            raise ValueError("dtype is still 'auto': use EngineConfig.create() to resolve it")
+        if self.dtype in ("auto", "fp8"):
+            raise ValueError(
+                f"dtype is still {self.dtype!r}: use EngineConfig.create() to resolve it"
+            )
         import torch
 
         return getattr(torch, self.dtype)
@@ -190,7 +194,7 @@ class EngineConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
-        if self.model.dtype == "auto":
+        if self.model.dtype in ("auto", "fp8"):
             raise ValueError("dtype must be resolved before building EngineConfig")
         return self
 
@@ -259,6 +263,24 @@ def _gpu_memory_and_name(device: str) -> tuple[int, str] | None:
         return None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return props.total_memory, props.name
+
+
+def _fp8_dtype_quantization(dtype: str, quantization: str, device: str) -> str:
+    """The quantization key that dtype="fp8" stands for (FP8 weights, 16-bit activations);
+    `quantization` as given for any other dtype."""
+    if dtype != "fp8":
+        return quantization
+    if device != "cuda":
+        raise ValueError(
+            "dtype='fp8' runs FP8 weights on a GPU with FP8 (compute capability 8.9 or newer); "
+            f"on {device} use dtype='auto' (float32), or quantization='fp8' to run the FP8 "
+            "torch references"
+        )
+    if quantization not in ("auto", "fp8"):
+        raise ValueError(
+            f"dtype='fp8' means quantization='fp8'; it cannot go with quantization={quantization!r}"
+        )
+    return "fp8"
 
 
 def _resolve_dtype(hf_config: Any, device: str) -> str:
@@ -376,12 +398,15 @@ class EngineArgs(_EngineArgsFields):
         args = dict(self)
         device = self.resolved_device
         max_len = self._resolved_max_model_len(hf_config)
-        dtype = self.dtype if self.dtype != "auto" else _resolve_dtype(hf_config, device)
+        quantization = _fp8_dtype_quantization(self.dtype, self.quantization, device)
+        dtype = (
+            self.dtype if self.dtype not in ("auto", "fp8") else _resolve_dtype(hf_config, device)
+        )
         model_args = _fields_of(ModelConfig, args) | {
             "dtype": dtype,
             "max_model_len": max_len,
             "quantization": resolve_quantization(
-                self.quantization, hf_config, self.model, self.load_format, device
+                quantization, hf_config, self.model, self.load_format, device
             ),
         }
 

@@ -60,3 +60,16 @@ def test_engine_args_resolve_the_key_once_into_the_engine_config():
     assert args.create_engine_config(_hf()).model.quantization == "fp8"
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(model="qwen3-0.6b", quantization="int3")
+
+
+def test_the_guides_fp8_dtype_is_fp8_weights_with_16_bit_activations():
+    """`LLM(..., dtype="fp8")`: quantization="fp8" with the checkpoint's 16-bit dtype."""
+    hf = SimpleNamespace(quantization_config=None, dtype="bfloat16")
+    config = EngineArgs(model="/m", dtype="fp8", device="cuda").create_engine_config(hf)
+    assert (config.model.dtype, config.model.quantization) == ("bfloat16", "fp8")
+    with pytest.raises(ValueError, match="cannot go with quantization='awq'"):
+        EngineArgs(model="/m", dtype="fp8", quantization="awq", device="cuda").create_engine_config(
+            hf
+        )
+    with pytest.raises(ValueError, match="on cpu use dtype='auto'.*quantization='fp8'"):
+        EngineArgs(model="/m", dtype="fp8", device="cpu").create_engine_config(hf)
