@@ -73,3 +73,16 @@ def test_the_guides_fp8_dtype_is_fp8_weights_with_16_bit_activations():
         )
     with pytest.raises(ValueError, match="on cpu use dtype='auto'.*quantization='fp8'"):
         EngineArgs(model="/m", dtype="fp8", device="cpu").create_engine_config(hf)
+
+
+def test_fp8_weights_on_a_gpu_without_fp8_are_refused_naming_the_key(monkeypatch):
+    import torch
+
+    from engine.layers.quantization import build_quant_config
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"quantization='fp8' needs .* A100 has 8\.0"):
+        build_quant_config("fp8", _hf(), "/m", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert build_quant_config("fp8", _hf(), "/m", "cuda").name == "fp8"
