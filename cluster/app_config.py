@@ -32,6 +32,7 @@ from cluster.serve_options import (
     json_text,
 )
 from cluster.tenants import TenantConfig
+from engine.arg_aliases import resolve_aliases
 from engine.config import (
     PART_CONFIGS,
     SERVER_PREFILL_TOKENS_WITH_DECODES,
@@ -112,6 +113,12 @@ class AppConfig(_AppConfigBase):
         "request_timeout_s, ingress_*) stay at the top level",
     )
     _model_configs: list[AppConfig] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        # The guides' names (max_batch_size, request_timeout, ...): engine/arg_aliases.py.
+        return resolve_aliases(data, cls.model_fields) if isinstance(data, dict) else data
 
     @field_validator("models", mode="before")
     @classmethod
@@ -297,6 +304,10 @@ def _problems(e: ValidationError, within: str | None = None) -> str:
 def _model_config(index: int, entry: dict[str, Any], app_wide: dict[str, Any]) -> AppConfig:
     """Entry `index` of `models` as a single-model AppConfig; ValueError naming the entry
     and the key."""
+    try:
+        entry = resolve_aliases(entry, AppConfig.model_fields)
+    except ValueError as e:
+        raise ValueError(f"models[{index}]: {e}") from None
     for key in entry:
         if key not in PER_MODEL_KEYS:
             where = (

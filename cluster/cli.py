@@ -12,6 +12,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from cluster.app_config import ENGINE_KEYS, AppConfig, load_app_config
+from engine.arg_aliases import ALIASES
 
 
 def _flag(name: str) -> str:
@@ -75,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(_flag(name), dest=name, nargs="+", metavar="NAME", help=_help(info))
         else:
             group.add_argument(_flag(name), dest=name, metavar="VALUE", help=_help(info))
+    aliases = serve.add_argument_group("other names (the guides' spellings of the keys above)")
+    for alias, entry in ALIASES.items():
+        meaning = f"same as {_flag(entry.key)}" if entry.key else "refused"
+        aliases.add_argument(
+            _flag(alias), dest=alias, metavar="VALUE", help=f"{meaning}: {entry.note}"
+        )
     run = serve.add_argument_group("this command")
     run.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
     run.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
@@ -90,9 +97,12 @@ def parse_serve_args(argv: list[str]) -> tuple[AppConfig, argparse.Namespace]:
     """Parse `serve ...` flags into a validated AppConfig (exits with the error naming a key)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    keys = {k: v for k, v in vars(args).items() if k in AppConfig.model_fields}
+    keys = {k: v for k, v in vars(args).items() if k in AppConfig.model_fields or k in ALIASES}
     for name, value in keys.items():
-        if _takes_none(AppConfig.model_fields[name].annotation) and _is_none(value):
+        key = ALIASES[name].key if name in ALIASES else name
+        if key is None:  # a refused alias: load_app_config says why
+            continue
+        if _takes_none(AppConfig.model_fields[key].annotation) and _is_none(value):
             keys[name] = None
     names = keys.get("served_model_name")
     if names is not None and len(names) == 1:

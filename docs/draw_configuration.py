@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import kvray_env  # noqa: E402
 from cluster.app_config import AppConfig  # noqa: E402
 from cluster.serve_options import ServeOptions  # noqa: E402
+from engine.arg_aliases import ALIASES  # noqa: E402
 from engine.config import PART_CONFIGS, EngineConfig  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "configuration.md"
@@ -134,6 +135,23 @@ def serve_section() -> list[str]:
     ]
 
 
+def aliases_section() -> list[str]:
+    lines = [
+        "## Other names",
+        "",
+        "Names that serving guides use, taken wherever the key they stand for is (engine",
+        "arguments, Serve app keys, `kvray serve` flags); given beside that key, refused.",
+        "Those that stand for nothing are refused with a message saying what to use.",
+        "",
+        "| name | stands for | note |",
+        "|---|---|---|",
+    ]
+    for alias, entry in ALIASES.items():
+        key = f"`{entry.key}`" if entry.key else "refused"
+        lines.append(f"| `{alias}` | {key} | {cell(entry.note)} |")
+    return [*lines, ""]
+
+
 def switches_section() -> list[str]:
     lines = [
         "## Environment switches",
@@ -155,7 +173,7 @@ def switches_section() -> list[str]:
 
 
 def draw() -> str:
-    lines = [INTRO, *engine_section(), *serve_section(), *switches_section()]
+    lines = [INTRO, *engine_section(), *serve_section(), *aliases_section(), *switches_section()]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.arg_aliases import resolve_aliases
 from engine.generation_config import check_setting
 from engine.layers.quantization import resolve_quantization
 
@@ -44,6 +45,10 @@ class ModelConfig(_Frozen):
     """HF folder, a `.gguf` file, or a shape name with `load_format="dummy"`. None: bundled SmolLM2."""
     tokenizer: str | None = None
     """Tokenizer folder; defaults to the model's own (or the GGUF metadata)."""
+    tokenizer_mode: Literal["auto", "slow"] = "auto"
+    """vLLM's: auto loads the fast (Rust) tokenizer; slow asks transformers for the Python
+    one, refused at start where transformers cannot give one (a GGUF file's tokenizer, or a
+    transformers that builds only fast tokenizers)."""
     served_model_name: str | list[str] | None = None
     """Name in the API; defaults to the model's folder or file name. Several (vLLM's
     aliases): requests may name any, responses carry the first."""
@@ -359,6 +364,7 @@ class EngineArgs(_EngineArgsFields):
     """
 
     def __init__(self, **engine_args: Any) -> None:
+        engine_args = resolve_aliases(engine_args, type(self).model_fields)
         unknown = sorted(set(engine_args) - set(type(self).model_fields))
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")

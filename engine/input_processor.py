@@ -168,17 +168,19 @@ def check_request_id(request_id: Any) -> None:
         raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
 
 
-def load_tokenizer_for(source: ModelSource, tokenizer: str | None) -> Any | None:
+def load_tokenizer_for(
+    source: ModelSource, tokenizer: str | None, tokenizer_mode: str = "auto"
+) -> Any | None:
     """The tokenizer named, else the model's own: a GGUF file's, or the files beside the
-    model's weights."""
+    model's weights. `tokenizer_mode`: engine.tokenizer.load_tokenizer's."""
     if tokenizer is not None:
-        return load_tokenizer(tokenizer)
+        return load_tokenizer(tokenizer, tokenizer_mode=tokenizer_mode)
     if source.kind == "gguf":
         path = Path(source.path)
-        return load_tokenizer(path.parent, gguf_file=path.name)
+        return load_tokenizer(path.parent, gguf_file=path.name, tokenizer_mode=tokenizer_mode)
     folder = Path(source.path)
     if folder.is_dir() and any((folder / f).exists() for f in _TOKENIZER_FILES):
-        return load_tokenizer(folder)
+        return load_tokenizer(folder, tokenizer_mode=tokenizer_mode)
     # No tokenizer (e.g. dummy shapes): prompts must be token ids, outputs have no text.
     return None
 

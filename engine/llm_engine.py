@@ -143,7 +143,7 @@ class LLMEngine:
         hf_config = load_hf_config(source)
         resolved = args.model_copy(update={"model": str(source.path)})
         config = resolved.create_engine_config(hf_config, usage_context)
-        tok = load_tokenizer_for(source, args.tokenizer)
+        tok = load_tokenizer_for(source, args.tokenizer, args.tokenizer_mode)
         return cls(config, hf_config, source, tok)
 
     # -- requests -------------------------------------------------------------------------

@@ -23,19 +23,43 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-def load_tokenizer(source: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    source: str | Path, gguf_file: str | None = None, tokenizer_mode: str = "auto"
+) -> PreTrainedTokenizerBase:
     """Load a tokenizer from an HF folder, or from a GGUF file's metadata, never from a hub.
 
     `source` may be the folder (with `gguf_file` naming the file in it) or the .gguf path itself.
+    `tokenizer_mode` "slow" asks for the Python tokenizer (transformers' use_fast=False); a
+    ValueError naming tokenizer_mode where transformers gives none: for a GGUF file it builds
+    only the fast one from the metadata, and some versions build only fast ones.
     """
+    if tokenizer_mode not in ("auto", "slow"):
+        raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {tokenizer_mode!r}")
     path = Path(source).expanduser()
     if gguf_file is None and path.suffix == ".gguf":
         path, gguf_file = path.parent, path.name
     target = path / gguf_file if gguf_file is not None else path
     if not target.exists():
         raise FileNotFoundError(f"tokenizer source not found: {target}")
-    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+    if tokenizer_mode == "slow" and gguf_file is not None:
+        raise ValueError(
+            "tokenizer_mode='slow' cannot apply to a GGUF file's tokenizer: transformers "
+            "builds only the fast one from its metadata; use tokenizer_mode='auto', or give "
+            "tokenizer a folder with the model's tokenizer files"
+        )
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    if tokenizer_mode == "slow":
+        kwargs["use_fast"] = False
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+    if tokenizer_mode == "slow" and tokenizer.is_fast:
+        import transformers
+
+        raise ValueError(
+            f"tokenizer_mode='slow' asks for the Python tokenizer, but transformers "
+            f"{transformers.__version__} gave the fast {type(tokenizer).__name__} for "
+            f"{target} (it builds no Python tokenizer for it): use tokenizer_mode='auto'"
+        )
+    return tokenizer
 
 
 def encode_text(

@@ -1,0 +1,69 @@
+"""Other names that serving guides give kvray's keys, in one table.
+
+Every entry point applies `resolve_aliases` to the keys it is given: `EngineArgs(...)` (and so
+`LLM(...)` and `AsyncEngine`), a Serve app's keys and each entry of its `models`, and the
+`kvray serve` flags (`--request-timeout 300`). An alias is renamed to the key it stands for
+where that key belongs to the entry point; an alias with no kvray equivalent is refused with a
+message that names what to use. docs/configuration.md lists the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Alias:
+    key: str | None
+    """The key the alias stands for; None: refused (kvray has no such setting)."""
+    note: str
+    """What the alias means here (for a refused alias: why, and what to use)."""
+
+
+ALIASES: dict[str, Alias] = {
+    "request_timeout": Alias(
+        "request_timeout_s",
+        "vLLM's spelling (--request-timeout): seconds a request may run before it is "
+        "aborted with a 408",
+    ),
+    "max_batch_size": Alias(
+        "max_num_seqs",
+        "the most sequences one step batches (the batching guides' batch size)",
+    ),
+    "max_num_batches": Alias(
+        None,
+        "kvray keeps one batch in flight per pipeline stage (pipeline_parallel_size) and "
+        "has no setting of its own for it: set max_num_seqs for a batch's size, "
+        "pipeline_parallel_size for the batches in flight",
+    ),
+    "batch_timeout": Alias(
+        None,
+        "not supported yet: kvray batches continuously (each step takes the requests "
+        "waiting then) and has no dynamic batching timeout; drop it",
+    ),
+}
+
+
+def resolve_aliases(args: dict[str, Any], keys: Collection[str]) -> dict[str, Any]:
+    """`args` with each alias of one of `keys` renamed to its key.
+
+    ValueError for an alias kvray refuses, and for an alias given beside the key it stands
+    for (naming both). Aliases of keys outside `keys` stay as given, for the entry point to
+    refuse as unknown.
+    """
+    resolved = dict(args)
+    for alias, entry in ALIASES.items():
+        if alias not in args:
+            continue
+        if entry.key is None:
+            raise ValueError(f"{alias}: {entry.note}")
+        if entry.key not in keys:
+            continue
+        if entry.key in args:
+            raise ValueError(
+                f"{alias} is another name for {entry.key}: give {entry.key} or {alias}, not both"
+            )
+        resolved[entry.key] = resolved.pop(alias)
+    return resolved
