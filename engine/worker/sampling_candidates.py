@@ -86,7 +86,7 @@ def sample_candidates(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         for i, gen in enumerate(batch.generators.values()):
             full[i].exponential_(generator=gen)
         rows = host_to_device(torch.tensor(seeded), logits.device)
-        noise[rows] = full.gather(1, ids.index_select(0, rows))
+        noise.index_copy_(0, rows, full.gather(1, ids.index_select(0, rows)))
     # An exact 0 draw would turn a dropped token's 0 / 0 into NaN, which argmax prefers.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     winner = probs.div_(noise).argmax(dim=-1, keepdim=True)
