@@ -191,7 +191,7 @@ def test_logprobs_are_the_references():
 def test_a_realistic_vocabulary():
     vocab = 128256
     gen = torch.Generator().manual_seed(6)
-    logits = (torch.randn(3, vocab, generator=gen) * 3).bfloat16().float()
+    logits = torch.randn(3, vocab, generator=gen) * 3
     params = [
         SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=11),
         SamplingParams(temperature=0),
