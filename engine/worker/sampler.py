@@ -132,7 +132,7 @@ def sample_on_device(
         sampled = logits.argmax(dim=-1)
     else:
         greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
-        if top_k_candidates and batch.max_top_k is not None:
+        if top_k_candidates and batch.candidates is not None:
             sampled = _sample_by_row_groups(logits, batch)
         else:
             sampled = sample_whole_vocabulary(logits if owned else logits.clone(), batch)
@@ -157,15 +157,14 @@ def _changes_logits(batch: SamplingBatch) -> bool:
 def _sample_by_row_groups(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Top-k candidates for the rows with a top_k (and greedy rows, whose draws are replaced),
     the whole vocabulary for the others; `logits` is only read."""
-    if batch.row_groups is None:
+    plan = batch.candidates
+    if plan.row_groups is None:
         return sample_candidates(logits, batch)
-    candidate_rows, whole_rows = batch.row_groups
-    whole = set(batch.rows_without_top_k)
-    candidates = [i for i in range(logits.shape[0]) if i not in whole]
+    candidate_rows, whole_rows = plan.row_groups
     sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    part = batch.select_rows(candidate_rows, candidates)
+    part = batch.select_rows(candidate_rows, plan.candidate_rows(logits.shape[0]))
     sampled.index_copy_(0, candidate_rows, sample_candidates(logits[candidate_rows], part))
-    part = batch.select_rows(whole_rows, batch.rows_without_top_k, batch.whole_vocab_filters)
+    part = batch.select_rows(whole_rows, plan.whole_rows, plan.whole_filters)
     # Indexing copies: the whole-vocabulary chain may work in place.
     sampled.index_copy_(0, whole_rows, sample_whole_vocabulary(logits[whole_rows], part))
     return sampled

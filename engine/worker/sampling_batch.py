@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.worker.host_staging import host_to_device
+from engine.worker.sampling_candidates import ALL_FILTERS, CandidatePlan, plan_candidates
 
 
 @dataclass
@@ -52,24 +54,14 @@ class SamplingBatch:
     """Row -> the request's own generator, for seeded random rows."""
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
-    max_top_k: int | None = None
-    """The largest top_k of the random rows that sample from their top-k candidates
-    (sampling_candidates.py); None when no random row has a top_k of at most
-    MAX_CANDIDATE_TOP_K."""
-    rows_without_top_k: list[int] = field(default_factory=list)
-    """Random rows with no top_k (or one above MAX_CANDIDATE_TOP_K): they sample over the
-    whole vocabulary."""
-    row_groups: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(candidate rows, whole-vocabulary rows) as device int64 tensors, when a step has both
-    kinds of random rows; greedy rows are in the first."""
-    whole_vocab_filters: frozenset[str] = frozenset()
-    """The filters ("top_k", "top_p", "min_p") that some whole-vocabulary row uses."""
+    candidates: CandidatePlan | None = None
+    """Which random rows sample from their top-k candidates; None: none of them."""
 
     def select_rows(
         self,
         rows: torch.Tensor,
         positions: list[int],
-        filters: frozenset[str] = frozenset({"top_k", "top_p", "min_p"}),
+        filters: frozenset[str] = ALL_FILTERS,
     ) -> SamplingBatch:
         """The random-sampling settings of rows `positions` (given on the device as `rows`),
         renumbered from 0, for sampling a part of the batch; filters not named in `filters`
@@ -89,7 +81,7 @@ class SamplingBatch:
             top_p=pick(self.top_p, "top_p"),
             min_p=pick(self.min_p, "min_p"),
             generators={new_index[r]: g for r, g in self.generators.items() if r in new_index},
-            max_top_k=self.max_top_k,
+            candidates=self.candidates and self.candidates.alone(),
         )
 
 
@@ -177,7 +169,7 @@ def _add_random_sampling(
         torch.float32,
         device,
     )
-    _plan_candidates(batch, params, greedy, device)
+    batch.candidates = plan_candidates(params, greedy, vocab_size, device)
     if any(p.top_k > 0 for p in random_params):
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         batch.top_k = _tensor([min(k, vocab_size) for k in top_k], torch.int64, device)
@@ -192,43 +184,6 @@ def _add_random_sampling(
         if params[i].seed is not None:
             gen.manual_seed(token_seed(params[i].seed, num_output_tokens[i]))
         batch.generators[i] = gen
-
-
-MAX_CANDIDATE_TOP_K = 1024
-"""Random rows with a top_k up to this sample from torch.topk's candidates; rows with a
-larger top_k (or none) sort or scan the whole vocabulary."""
-
-
-def _plan_candidates(
-    batch: SamplingBatch, params: list[SamplingParams], greedy: list[bool], device: torch.device
-) -> None:
-    """Which random rows sample from their top-k candidates: decided here, on the host, so
-    that the sampler never waits for the device to choose."""
-    random_rows = [i for i, g in enumerate(greedy) if not g]
-    top_ks = [params[i].top_k for i in random_rows if 0 < params[i].top_k <= MAX_CANDIDATE_TOP_K]
-    if not top_ks:
-        return
-    batch.max_top_k = min(max(top_ks), batch.vocab_size)
-    batch.rows_without_top_k = [
-        i for i in random_rows if not 0 < params[i].top_k <= MAX_CANDIDATE_TOP_K
-    ]
-    if batch.rows_without_top_k:
-        whole_params = [params[i] for i in batch.rows_without_top_k]
-        batch.whole_vocab_filters = frozenset(
-            name
-            for name, used in (
-                ("top_k", any(p.top_k > MAX_CANDIDATE_TOP_K for p in whole_params)),
-                ("top_p", any(p.top_p < 1.0 for p in whole_params)),
-                ("min_p", any(p.min_p > 0.0 for p in whole_params)),
-            )
-            if used
-        )
-        whole = set(batch.rows_without_top_k)
-        candidates = [i for i in range(len(params)) if i not in whole]
-        batch.row_groups = (
-            _tensor(candidates, torch.int64, device),
-            _tensor(batch.rows_without_top_k, torch.int64, device),
-        )
 
 
 def _add_penalties(
@@ -317,13 +272,6 @@ def _from_numpy(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return host_to_device(torch.tensor(data, dtype=dtype), device)
-
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting: through pinned memory on a GPU."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

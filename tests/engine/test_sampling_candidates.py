@@ -7,8 +7,8 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.worker.logits_processing import apply_min_p, apply_top_k_top_p
 from engine.worker.sampler import sample_on_device
-from engine.worker.sampling_batch import MAX_CANDIDATE_TOP_K, build_sampling_batch
-from engine.worker.sampling_candidates import TIE_SLACK, filter_candidates
+from engine.worker.sampling_batch import build_sampling_batch
+from engine.worker.sampling_candidates import MAX_CANDIDATE_TOP_K, TIE_SLACK, filter_candidates
 
 EOS = 1
 
@@ -139,12 +139,14 @@ def test_a_seeded_top_k_row_does_not_depend_on_its_neighbours_candidates():
 def test_a_step_with_only_top_k_rows_takes_no_whole_vocabulary_pass():
     params = [SamplingParams(top_k=5), SamplingParams(temperature=0), SamplingParams(top_k=40)]
     batch = make_batch(params, 100)
-    assert batch.max_top_k == 40 and batch.rows_without_top_k == [] and batch.row_groups is None
+    plan = batch.candidates
+    assert plan.max_top_k == 40 and plan.whole_rows == [] and plan.row_groups is None
     mixed = make_batch(params + [SamplingParams(min_p=0.1), SamplingParams(top_k=5000)], 8000)
-    assert mixed.rows_without_top_k == [3, 4]
-    assert mixed.whole_vocab_filters == {"top_k", "min_p"}
-    assert [t.tolist() for t in mixed.row_groups] == [[0, 1, 2], [3, 4]]
-    assert make_batch([SamplingParams(top_p=0.5)], 100).max_top_k is None
+    plan = mixed.candidates
+    assert plan.whole_rows == [3, 4] and plan.whole_filters == {"top_k", "min_p"}
+    assert [t.tolist() for t in plan.row_groups] == [[0, 1, 2], [3, 4]]
+    assert make_batch([SamplingParams(top_p=0.5)], 100).candidates is None
+    assert make_batch([SamplingParams(top_k=3)], 2).candidates.max_top_k == 2
 
 
 def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
@@ -221,8 +223,8 @@ def test_cuda_seeded_rows_draw_the_reference_tokens_at_a_real_batch_size():
     ref, _ = sample_on_device(logits, make_batch(params, vocab, "cuda"), top_k_candidates=False)
     assert new.tolist() == ref.tolist()
     batch = make_batch(params, vocab, "cuda")
-    part = [i for i in range(rows) if i not in set(batch.rows_without_top_k)]
-    sub = batch.select_rows(batch.row_groups[0], part)
+    part = batch.candidates.candidate_rows(rows)
+    sub = batch.select_rows(batch.candidates.row_groups[0], part)
     scores, ids = filter_candidates(logits[part], sub)
     kept = torch.zeros(len(part), vocab, dtype=torch.bool, device="cuda")
     kept.scatter_(1, ids, torch.isfinite(scores))
