@@ -146,8 +146,8 @@ def sample_candidates(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         # The whole-vocabulary chain's draw, value for value: one per token from the row's
         # generator, read here at the row's candidates.
         full = torch.empty(len(seeded), logits.shape[-1], device=logits.device)
-        for i, gen in enumerate(batch.generators.values()):
-            full[i].exponential_(generator=gen)
+        for row, gen in zip(full.unbind(0), batch.generators.values(), strict=True):
+            row.exponential_(generator=gen)
         rows = host_to_device(torch.tensor(seeded), logits.device)
         noise.index_copy_(0, rows, full.gather(1, ids.index_select(0, rows)))
     # An exact 0 draw would turn a dropped token's 0 / 0 into NaN, which argmax prefers.
