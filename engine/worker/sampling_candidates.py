@@ -1,11 +1,11 @@
 """Sampling from each row's top-k candidates instead of the whole vocabulary.
 
-When every random row of a step has a top_k (at most MAX_CANDIDATE_TOP_K), one
-`torch.topk` of the batch's largest k (plus TIE_SLACK) reads the [B, V] logits once
-(a radix select, no sort), and everything after it (temperature, the top-k cut, top-p,
-min-p, the softmax and the exponential race) works on [B, F] candidates, F about k.
-The whole-vocabulary chain (sampler.sample_whole_vocabulary) sorts [B, V] for top-p and
-makes a dozen more passes over it.
+For the random rows with a top_k (at most MAX_CANDIDATE_TOP_K), one `torch.topk` of the
+step's largest k (plus TIE_SLACK) reads their [B, V] logits once (a radix select, no
+sort), and everything after it (temperature, the top-k cut, top-p, min-p, the softmax
+and the exponential race) works on [B, F] candidates, F about k. The whole-vocabulary
+chain (sampler.sample_whole_vocabulary), kept for the other rows, sorts [B, V] for top-p
+and makes a dozen more passes over it.
 
 The kept tokens are those of the whole-vocabulary chain: top-k (ties with the k-th value
 kept) on the logits divided by the temperature, then top-p over the renormalized top-k,
