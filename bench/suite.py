@@ -1,7 +1,8 @@
 """The GPU issue's workloads for one shape, in one process (one engine start-up).
 
 python -m bench.suite --model-shape llama3-8b [--baseline hf] [--out results.jsonl]
-Workloads match the vLLM anchor's (random token prompts, EOS ignored, greedy unless noted).
+Workloads match the vLLM anchor's (random token prompts, EOS ignored, greedy unless noted;
+bench/vllm_anchor_bench.py has the "sampled" workload and the qwen2.5-7b shape).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ WORKLOADS = {
         ("throughput", 1000, 1024, 128),
         ("decode_heavy", 1000, 128, 1024),
         ("long_context", 16, 7680, 256),  # needs --max-model-len 8192
+        ("sampled", 512, None, None),
     ],
     "qwen3-0.6b": [("latency", 1, 256, 128), ("mixed", 256, None, None)],
     "llama3-70b": [("latency", 1, 256, 128), ("throughput", 1000, 1024, 128)],
+    "qwen2.5-7b": [("latency", 1, 256, 128), ("sampled", 512, None, None)],
 }
 
 ASKED_FOR_ONLY = {"long_context"}
@@ -114,8 +117,30 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"done": True}))
 
 
+def sampled_requests(n: int, seed: int) -> tuple[list[list[int]], list[dict]]:
+    """The "sampled" workload: n prompts of 100-1024 random tokens, each with 100-1024
+    output tokens, temperature 0.8 + top_p 0.95 + top_k 50 and a seed of its own. Drawn
+    exactly as bench/vllm_anchor_bench.py draws them (tests check the two agree)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    params = [
+        dict(
+            temperature=0.8,
+            top_p=0.95,
+            top_k=50,
+            max_tokens=rng.randint(100, 1024),
+            seed=rng.randint(0, 2**31 - 1),
+        )
+        for _ in range(n)
+    ]
+    return prompts, params
+
+
 def workload_requests(name, n, inp, out, vocab, seed):
     """The prompts and sampling params of one throughput workload."""
+    if name == "sampled":
+        prompts, params = sampled_requests(n, seed)
+        return prompts, [SamplingParams(ignore_eos=True, **p) for p in params]
     if name == "mixed":
         rng = random.Random(seed)
         prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]

@@ -43,6 +43,13 @@ class HostToDevice:
         return staged.to(self.device, non_blocking=True)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting: through pinned memory on a GPU."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def to_host_async(t: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of a device tensor, queued on the stream without waiting for it
     (synchronize the stream, or an event recorded after this, before reading). Host tensors

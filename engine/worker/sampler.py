@@ -2,9 +2,10 @@
 with per-request seeds, and logprobs.
 
 The model runner builds a `SamplingBatch` once per step (sampling_batch.py) and calls
-`sample()`. Every row is processed by one batched kernel chain (the logit changes in
-logits_processing.py, then the draw); only the random draws of seeded rows loop, each on its
-request's own generator. On a GPU, plain temperature sampling (no top-k/top-p/min-p,
+`sample()`. Every row is processed by batched kernel chains (the logit changes in
+logits_processing.py, then the draw: from the top-k candidates for rows with a top_k,
+sampling_candidates.py, over the whole vocabulary for the others); only the random draws of
+seeded rows loop, each on its request's own generator. On a GPU, plain temperature sampling (no top-k/top-p/min-p,
 penalties, min_tokens, logprobs or seeded rows) is one Triton pass instead. The one host sync
 is the final copy of the sampled ids (and logprobs) back to Python.
 """
@@ -28,6 +29,7 @@ from engine.worker.sampling_batch import (
     build_sampling_batch,
     held_back_below_min_tokens,
 )
+from engine.worker.sampling_candidates import sample_candidates
 from kernels import use_triton
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "random_sample",
     "sample",
     "sample_on_device",
+    "sample_whole_vocabulary",
     "token_logprobs_of",
 ]
 
@@ -91,13 +94,18 @@ def finish_sampling(
 
 
 def sample_on_device(
-    logits: torch.Tensor, batch: SamplingBatch
+    logits: torch.Tensor, batch: SamplingBatch, *, top_k_candidates: bool = True
 ) -> tuple[torch.Tensor, LogprobTensors | None]:
     """(sampled ids [B], their logprobs or None) without waiting for the device.
 
     Logprobs are of the model's distribution (before penalties, biases, temperature and
     filters), reduced to what the requests asked for before this returns: launched with
-    the step, they are ready when its tokens are."""
+    the step, they are ready when its tokens are.
+
+    Random rows with a top_k sample from their top-k candidates (sampling_candidates.py);
+    the others over the whole vocabulary. `top_k_candidates=False` sends every row the
+    whole-vocabulary way: the reference the candidates are tested and timed against.
+    """
     if _one_pass_eligible(logits, batch):
         from kernels import gumbel_sample
 
@@ -109,26 +117,67 @@ def sample_on_device(
         from kernels import argmax
 
         return argmax(logits, batch.vocab_size), None
-    # A private float32 copy: everything below works in place, the caller's logits stay intact.
-    logits = logits[:, : batch.vocab_size].to(torch.float32, copy=True)
-    raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
-    logits = adjust_logits(logits, batch)
+    logits = logits[:, : batch.vocab_size]
+    raw_logprobs = None
+    if batch.max_num_logprobs is not None:
+        raw_logprobs = logits.to(torch.float32).log_softmax(dim=-1)
+    owned = _changes_logits(batch)
+    if owned:
+        # A private float32 copy: the changes work in place, the caller's logits stay intact.
+        logits = adjust_logits(logits.to(torch.float32, copy=True), batch)
+    else:
+        logits = logits.to(torch.float32)  # no copy when already float32: only read below
 
     if batch.all_greedy:
         sampled = logits.argmax(dim=-1)
     else:
         greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
-        logits.div_(batch.temperature)
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        if batch.min_p is not None:
-            logits = apply_min_p(logits, batch.min_p)
-        sampled = random_sample(logits.softmax(dim=-1), batch.generators)
+        if top_k_candidates and batch.candidates is not None:
+            sampled = _sample_by_row_groups(logits, batch)
+        else:
+            sampled = sample_whole_vocabulary(logits if owned else logits.clone(), batch)
         if greedy_ids is not None:
             sampled = torch.where(batch.greedy, greedy_ids, sampled)
 
     if raw_logprobs is None:
         return sampled, None
     return sampled, _logprob_tensors(raw_logprobs, sampled, batch.max_num_logprobs)
+
+
+def _changes_logits(batch: SamplingBatch) -> bool:
+    """Whether adjust_logits has anything to do for this step."""
+    return (
+        batch.logit_bias is not None
+        or batch.allowed_tokens is not None
+        or batch.min_tokens_mask is not None
+        or batch.output_token_counts is not None
+    )
+
+
+def _sample_by_row_groups(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k candidates for the rows with a top_k (and greedy rows, whose draws are replaced),
+    the whole vocabulary for the others; `logits` is only read."""
+    plan = batch.candidates
+    if plan.row_groups is None:
+        return sample_candidates(logits, batch)
+    candidate_rows, whole_rows = plan.row_groups
+    sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    part = batch.select_rows(candidate_rows, plan.candidate_rows(logits.shape[0]))
+    sampled.index_copy_(0, candidate_rows, sample_candidates(logits[candidate_rows], part))
+    part = batch.select_rows(whole_rows, plan.whole_rows, plan.whole_filters)
+    # Indexing copies: the whole-vocabulary chain may work in place.
+    sampled.index_copy_(0, whole_rows, sample_whole_vocabulary(logits[whole_rows], part))
+    return sampled
+
+
+def sample_whole_vocabulary(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k / top-p (a sort of [B, V]), min-p, softmax and the exponential race
+    over every token; works in place on `logits` [B, V] float32."""
+    logits.div_(batch.temperature)
+    logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    return random_sample(logits.softmax(dim=-1), batch.generators)
 
 
 def _logits_used_as_is(logits: torch.Tensor, batch: SamplingBatch) -> bool:

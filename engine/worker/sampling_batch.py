@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.worker.host_staging import host_to_device
+from engine.worker.sampling_candidates import ALL_FILTERS, CandidatePlan, plan_candidates
 
 
 @dataclass
@@ -52,6 +54,35 @@ class SamplingBatch:
     """Row -> the request's own generator, for seeded random rows."""
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+    candidates: CandidatePlan | None = None
+    """Which random rows sample from their top-k candidates; None: none of them."""
+
+    def select_rows(
+        self,
+        rows: torch.Tensor,
+        positions: list[int],
+        filters: frozenset[str] = ALL_FILTERS,
+    ) -> SamplingBatch:
+        """The random-sampling settings of rows `positions` (given on the device as `rows`),
+        renumbered from 0, for sampling a part of the batch; filters not named in `filters`
+        are left off. Greedy rows need no flag: the caller replaces their draws."""
+
+        def pick(t: torch.Tensor | None, name: str = "") -> torch.Tensor | None:
+            if t is None or (name and name not in filters):
+                return None
+            return t.index_select(0, rows)
+
+        new_index = {row: i for i, row in enumerate(positions)}
+        return SamplingBatch(
+            vocab_size=self.vocab_size,
+            all_greedy=False,
+            temperature=pick(self.temperature),
+            top_k=pick(self.top_k, "top_k"),
+            top_p=pick(self.top_p, "top_p"),
+            min_p=pick(self.min_p, "min_p"),
+            generators={new_index[r]: g for r, g in self.generators.items() if r in new_index},
+            candidates=self.candidates and self.candidates.alone(),
+        )
 
 
 def build_sampling_batch(
@@ -138,6 +169,7 @@ def _add_random_sampling(
         torch.float32,
         device,
     )
+    batch.candidates = plan_candidates(params, greedy, vocab_size, device)
     if any(p.top_k > 0 for p in random_params):
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         batch.top_k = _tensor([min(k, vocab_size) for k in top_k], torch.int64, device)
@@ -235,17 +267,11 @@ def _allowed_tokens(
 
 
 def _from_numpy(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return _to_device(torch.from_numpy(array), device)
+    return host_to_device(torch.from_numpy(array), device)
 
 
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _to_device(torch.tensor(data, dtype=dtype), device)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return host_to_device(torch.tensor(data, dtype=dtype), device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
