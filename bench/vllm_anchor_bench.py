@@ -46,7 +46,6 @@ def sampled_requests(n, seed):
             top_p=0.95,
             top_k=50,
             max_tokens=rng.randint(100, 1024),
-            seed=rng.randint(0, 2**31 - 1),
         )
         for _ in range(n)
     ]
