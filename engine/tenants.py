@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_TENANT = "default"
 WINDOW_S = 60.0
@@ -85,8 +85,12 @@ def tenant_configs(tenants: Mapping[str, TenantConfig | Mapping] | None) -> dict
             continue
         try:
             configs[name] = TenantConfig.model_validate(config)
-        except ValueError as e:
-            raise ValueError(f"tenants.{name}: {e}") from None
+        except ValidationError as e:
+            problems = "; ".join(
+                f"tenants.{name}.{'.'.join(map(str, error['loc']))}: {error['msg']}"
+                for error in e.errors()
+            )
+            raise ValueError(problems) from None
     return configs
 
 
