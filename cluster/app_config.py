@@ -31,7 +31,6 @@ from cluster.serve_options import (
     ServeOptions,
     json_text,
 )
-from cluster.tenants import TenantConfig
 from engine.arg_aliases import resolve_aliases
 from engine.config import (
     PART_CONFIGS,
@@ -42,6 +41,7 @@ from engine.config import (
     part_field_validators,
     world_size,
 )
+from engine.tenants import TenantConfig, check_tenant_priorities
 
 
 def _engine_fields() -> dict[str, Any]:
@@ -168,13 +168,7 @@ class AppConfig(_AppConfigBase):
 
     @model_validator(mode="after")
     def _check_priorities(self) -> AppConfig:
-        if self.policy == "fcfs":
-            for name, tenant in self.tenants.items():
-                if tenant.priority != 0:
-                    raise ValueError(
-                        f"policy fcfs ignores priorities, but tenants.{name}.priority is "
-                        f"{tenant.priority}: use policy priority (the default) or drop it"
-                    )
+        check_tenant_priorities(self.policy, self.tenants)
         return self
 
     @model_validator(mode="after")

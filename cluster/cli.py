@@ -79,8 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     aliases = serve.add_argument_group("other names (the guides' spellings of the keys above)")
     for alias, entry in ALIASES.items():
         meaning = f"same as {_flag(entry.key)}" if entry.key else "refused"
+        # A refused one may come as a bare switch (--skip-special-tokens): it is refused
+        # saying why, not for a missing value.
+        bare = {"nargs": "?", "const": "true"} if entry.key is None else {}
         aliases.add_argument(
-            _flag(alias), dest=alias, metavar="VALUE", help=f"{meaning}: {entry.note}"
+            _flag(alias), dest=alias, metavar="VALUE", help=f"{meaning}: {entry.note}", **bare
         )
     run = serve.add_argument_group("this command")
     run.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")

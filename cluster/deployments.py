@@ -22,8 +22,8 @@ from cluster.engine_host import LLMServer
 from cluster.ingress import OpenAIIngress
 from cluster.local_server import colocated_capacity
 from cluster.placement import placement_strategy, rank_bundles, replica_cpus_per_rank
-from cluster.tenants import TenantLimiter
 from cluster.topology import SERVE_FAST_PATH_ENV
+from engine.tenants import TenantLimiter
 
 
 @serve.deployment(name="TenantLimiter", num_replicas=1, max_ongoing_requests=100_000)

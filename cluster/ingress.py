@@ -40,12 +40,7 @@ from cluster.http_app import (
     error_response,
 )
 from cluster.local_server import LocalServer, colocated_capacity
-from cluster.metrics import (
-    RayMetricsSink,
-    TenantMetrics,
-    kvray_metrics_text,
-    metrics_notice,
-)
+from cluster.metrics import RayMetricsSink, kvray_metrics_text, metrics_notice
 from cluster.model_router import ModelRouter
 from cluster.replica_watch import (
     RETRY_AFTER_S,
@@ -56,10 +51,12 @@ from cluster.replica_watch import (
 )
 from cluster.request_bodies import REQUEST_MODELS, parse_body, publish_request_bodies, read_body
 from cluster.server_calls import ServerStream, first_reply
-from cluster.tenants import DEFAULT_TENANT, TenantResolver
+from cluster.tenants import TenantResolver
 from engine.api.errors import APIError, quoted_names
 from engine.observability.gc_pauses import tune_for_serving
 from engine.observability.hop_trace import hop
+from engine.observability.tenant_metrics import TenantMetrics
+from engine.tenants import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from cluster.engine_host import EngineHost

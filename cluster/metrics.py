@@ -1,4 +1,5 @@
-"""kvray metrics through Ray's metrics agent, and what the ingress records per tenant.
+"""kvray metrics through Ray's metrics agent (what the ingress records per tenant:
+engine/observability/tenant_metrics.py).
 
 Every Ray node exports the metrics of all processes on it at its metrics export port
 (`ray start --metrics-export-port=8080`), as `ray_<name>`: one Prometheus scrape per node
@@ -25,7 +26,7 @@ import logging
 import re
 import threading
 import urllib.request
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from engine.observability.metrics import METRICS
@@ -78,40 +79,6 @@ class RayMetricsSink:
                 gauges = list(self._gauges.items())
             for (name, labels), value in gauges:
                 self._metrics[name].set(value, tags=dict(labels))
-
-
-OTHER_TENANT = "other"
-
-
-class TenantMetrics:
-    """Per-tenant requests, tokens and rejections, recorded by the HTTP ingress, labelled with
-    the served model name the request went to ("" when it was refused before naming one:
-    a client's unknown model names never become label values).
-
-    `named_tenants`: the tenants that keep their name as a label value (None: all); any
-    other counts as "other", so a client's X-Tenant-Id values cannot grow the series
-    without bound."""
-
-    def __init__(self, sink: Any, named_tenants: Collection[str] | None = None) -> None:
-        self.sink = sink
-        self.named_tenants = None if named_tenants is None else frozenset(named_tenants)
-
-    def request_done(self, model: str, tenant: str, status_code: int) -> None:
-        labels = {"model": model, "tenant": self._label(tenant), "code": str(status_code)}
-        self.sink.inc("kvray_http_requests", 1, labels)
-
-    def rejected(self, model: str, tenant: str, reason: str) -> None:
-        labels = {"model": model, "tenant": self._label(tenant), "reason": reason}
-        self.sink.inc("kvray_tenant_rejections", 1, labels)
-
-    def tokens(self, model: str, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
-        for kind, count in (("prompt", prompt_tokens), ("generation", completion_tokens)):
-            labels = {"model": model, "tenant": self._label(tenant), "kind": kind}
-            self.sink.inc("kvray_tenant_tokens", count, labels)
-
-    def _label(self, tenant: str) -> str:
-        named = self.named_tenants
-        return tenant if named is None or tenant in named else OTHER_TENANT
 
 
 class ReplicaReadiness:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.tenants import TenantConfig
+from engine.tenants import TenantConfig
 
 SERVE_INT_MAX = 2**31 - 1
 """Serve holds replica counts and request bounds as 32-bit ints: past this serve.run fails

@@ -8,6 +8,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 _PUBLIC = {
+    "AsyncLLMEngine": "engine.async_llm_engine",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "CompletionOutput": "engine.outputs",
@@ -15,9 +16,12 @@ _PUBLIC = {
     "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
     "StructuredOutput": "engine.sampling_params",
+    "TenantConfig": "engine.tenants",
+    "TenantLimitError": "engine.tenant_requests",
 }
 
 __all__ = [
+    "AsyncLLMEngine",
     "LLM",
     "LLMEngine",
     "CompletionOutput",
@@ -25,13 +29,18 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "StructuredOutput",
+    "TenantConfig",
+    "TenantLimitError",
 ]
 
 if TYPE_CHECKING:
+    from engine.async_llm_engine import AsyncLLMEngine
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
+    from engine.tenant_requests import TenantLimitError
+    from engine.tenants import TenantConfig
 
 
 def __getattr__(name: str):

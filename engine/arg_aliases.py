@@ -43,6 +43,11 @@ ALIASES: dict[str, Alias] = {
         "not supported yet: kvray batches continuously (each step takes the requests "
         "waiting then) and has no dynamic batching timeout; drop it",
     ),
+    "skip_special_tokens": Alias(
+        None,
+        "a field of each request (SamplingParams, and the API's request body), true unless "
+        "the request says otherwise; there is no server-wide default: set it per request",
+    ),
 }
 
 

@@ -393,6 +393,11 @@ class EngineArgs(_EngineArgsFields):
         """`device` as given, else cuda when torch sees a GPU, else cpu (loads torch then)."""
         return resolve_device(self.device)
 
+    def check_device_keys(self) -> None:
+        """Refuse what this device cannot run (dtype="fp8" on a CPU) before a model loads;
+        `create_engine_config` checks it again."""
+        _fp8_dtype_quantization(self.dtype, self.quantization, self.resolved_device)
+
     def create_engine_config(
         self, hf_config: Any = None, usage_context: UsageContext = "offline"
     ) -> EngineConfig:

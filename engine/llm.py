@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.config import EngineArgs
@@ -12,6 +12,8 @@ from engine.llm_engine import LLMEngine
 from engine.observability.gc_pauses import frozen_heap
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.tenant_requests import EngineTenants
+from engine.tenants import TenantConfig
 from engine.tokenizer import apply_chat_template
 
 PromptType = str | list[int]
@@ -22,11 +24,20 @@ class LLM:
 
     `LLM()` serves the bundled SmolLM2; `LLM(model="path/to/folder-or.gguf", **engine_args)`
     takes vLLM-named engine arguments (max_model_len, max_num_seqs, dtype, ...), built into
-    one `EngineArgs`.
+    one `EngineArgs`. `tenants`: name -> `TenantConfig` (or its keys), for
+    `generate(..., tenant_id=...)`; with tenants the policy defaults to "priority".
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any):
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tenants: Mapping[str, TenantConfig | Mapping] | None = None,
+        **engine_args: Any,
+    ):
+        self.tenants = EngineTenants(tenants)
+        args = EngineArgs(model=model, **self.tenants.engine_keys(engine_args))
+        self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -41,8 +52,14 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tenant_id: str | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        `tenant_id`: the prompts run at that tenant's priority, in its own prefix cache, within
+        its limits (engine/tenant_requests.py); with the engine's metrics on
+        (`llm.engine.enable_metrics(sink)`) its tokens are recorded with its name."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -66,11 +83,30 @@ class LLM:
                     params, output_kind=RequestOutputKind.FINAL_ONLY
                 )
         params_list = [final_only[id(p)] for p in params_list]
+        if tenant_id is None:
+            return self._run(prompts, params_list, 0, None)
+        metrics = self.engine.metrics
+        self.tenants.record_into(None if metrics is None else metrics.sink)
+        tenant, lease = self.tenants.admit(tenant_id, self.engine.model_name)
+        outputs: list[RequestOutput] = []
+        try:
+            outputs = self._run(prompts, params_list, *tenant.request_keys(0, None))
+        finally:
+            self.tenants.charge(lease, self.engine.model_name, tenant, outputs)
+        return outputs
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        priority: int,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, priority, cache_salt)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)

@@ -139,6 +139,7 @@ class LLMEngine:
         """The engine `engine_args` describe, or one built from keyword arguments
         (model=..., tensor_parallel_size=2, ...)."""
         args = EngineArgs.of(engine_args, kwargs)
+        args.check_device_keys()
         source = resolve_model_source(args.model, args.load_format)
         hf_config = load_hf_config(source)
         resolved = args.model_copy(update={"model": str(source.path)})

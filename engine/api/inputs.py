@@ -53,15 +53,6 @@ def check_prompt(ids: list[int], max_model_len: int, param: str) -> list[int]:
     return ids
 
 
-def prefix_cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None:
-    """The salt of a request's prefix-cache blocks: its tenant's, and within it the
-    request's own `cache_salt`. Both go into the result, so no salt a client picks can
-    name another tenant's blocks."""
-    if request_salt is None:
-        return tenant_salt
-    return json.dumps([tenant_salt, request_salt])
-
-
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest,
     prompt_len: int,

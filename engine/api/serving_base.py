@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api.errors import APIError
-from engine.api.inputs import prefix_cache_salt, prompt_param, structured_output_param
+from engine.api.inputs import prompt_param, structured_output_param
 from engine.api.output_streams import TimeLimit, merge_streams, next_output
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest
 from engine.api.render import usage_of
@@ -27,6 +27,7 @@ from engine.api.stream import DONE, DeltaTracker, sse_error
 from engine.api.tools import ToolUse
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestInputError, SamplingParams
+from engine.tenants import prefix_cache_salt
 
 
 @dataclass

@@ -16,7 +16,7 @@ from cluster.deployments import build_openai_app, llm_server_options
 from cluster.engine_host import engine_args
 from cluster.executor import RayActorGroupExecutor
 from cluster.local_server import colocated_capacity
-from cluster.tenants import TenantConfig, TenantLimiter, TenantResolver
+from cluster.tenants import TenantResolver
 from cluster.topology import DIRECT_INGRESS_ENV, SERVE_FAST_PATH_ENV, node_env
 from engine.api.errors import APIError
 from engine.config import (
@@ -27,6 +27,7 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from engine.tenants import TenantConfig, TenantLimiter
 from serve_app import build_app
 
 ROOT = Path(__file__).resolve().parents[2]

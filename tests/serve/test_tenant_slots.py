@@ -14,8 +14,8 @@ import pytest
 import cluster.ingress
 from cluster.app_config import load_app_config
 from cluster.local_server import LocalServer
-from cluster.tenants import TenantLimiter
 from engine.api.responses import UsageInfo
+from engine.tenants import TenantLimiter
 from tests.support.outside_serve import build_ingress
 
 PROMPT_TOKENS = 7

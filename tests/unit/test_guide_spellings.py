@@ -18,6 +18,7 @@ RENAMED = [(alias, entry.key) for alias, entry in ALIASES.items() if entry.key i
 REFUSED = {
     "max_num_batches": r"max_num_batches: .*pipeline_parallel_size.*max_num_seqs",
     "batch_timeout": r"batch_timeout: not supported yet",
+    "skip_special_tokens": r"skip_special_tokens: a field of each request .* set it per request",
 }
 
 
@@ -79,6 +80,12 @@ def test_aliases_without_an_equivalent_are_refused_saying_what_to_use(alias, mes
     with pytest.raises(SystemExit):
         parse_serve_args(["serve", _flag(alias), "2"])
     assert f"{alias}: " in capsys.readouterr().err
+
+
+def test_a_refused_switch_given_bare_is_refused_saying_why(capsys):
+    with pytest.raises(SystemExit):
+        parse_serve_args(["serve", "--skip-special-tokens"])
+    assert "skip_special_tokens: a field of each request" in capsys.readouterr().err
 
 
 def test_an_app_only_alias_is_unknown_to_the_engine():
