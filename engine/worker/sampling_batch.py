@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.worker.candidate_plan import ALL_FILTERS, CandidatePlan, plan_candidates
 from engine.worker.host_staging import host_to_device
-from engine.worker.sampling_candidates import ALL_FILTERS, CandidatePlan, plan_candidates
 
 
 @dataclass

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.worker.candidate_plan import MAX_CANDIDATE_TOP_K, TIE_SLACK
 from engine.worker.logits_processing import apply_min_p, apply_top_k_top_p
 from engine.worker.sampler import sample_on_device
 from engine.worker.sampling_batch import build_sampling_batch
-from engine.worker.sampling_candidates import MAX_CANDIDATE_TOP_K, TIE_SLACK, filter_candidates
+from engine.worker.sampling_candidates import filter_candidates
 
 EOS = 1
 
