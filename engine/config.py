@@ -133,8 +133,8 @@ class CacheConfig(_Frozen):
     """GiB of pinned CPU memory per rank for KV blocks off the GPU (vLLM's name): requests
     preempted by swapping (preemption_mode) and, with enable_prefix_caching, full blocks
     evicted from the GPU's prefix cache (a second, CPU tier; swapped requests win the room).
-    0: off. Refused at start above SWAP_SPACE_HOST_FRACTION of the host's memory, all ranks
-    together."""
+    0: off. Refused at start when the ranks together would pin more than 70% of the host's
+    memory (SWAP_SPACE_HOST_FRACTION)."""
 
 
 class SchedulerConfig(_Frozen):

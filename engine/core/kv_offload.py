@@ -331,13 +331,17 @@ def offload_settings(
 ) -> tuple[int, int | None]:
     """(CPU pool blocks every rank holds, the auto mode's swap threshold) from the ranks'
     kv_swap_info; (0, None) without a pool. The threshold uses the slowest rank's copies and
-    prefill rate (a later pipeline stage measures no prefill)."""
+    prefill rate. Pipeline stages cannot time a forward alone: without any prefill rate auto
+    swaps from the first block (on a GPU, copying a token's KV over PCIe takes a fraction of
+    the time computing it does for any model worth splitting into stages)."""
     if not rank_infos:
         return 0, None
     num_blocks = int(min(info["num_cpu_blocks"] for info in rank_infos))
     if preemption_mode != "auto":
         return num_blocks, None
     prefill = [i["prefill_tokens_per_s"] for i in rank_infos if "prefill_tokens_per_s" in i]
+    if not prefill:
+        return num_blocks, 1
     model = SwapCostModel(
         prefill_tokens_per_s=min(prefill),
         copy_bytes_per_s=min(i["copy_bytes_per_s"] for i in rank_infos),
