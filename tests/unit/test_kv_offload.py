@@ -304,3 +304,22 @@ def test_a_block_evicted_to_the_tier_is_not_read_by_the_step_that_copies_it_out(
     run(scheduler, runner)
     assert b.output_token_ids == reference_outputs(b, 2)
     assert_all_free(scheduler)
+
+
+def test_swap_keys_are_checked_naming_the_field_and_the_host():
+    from engine.config import EngineArgs, check_swap_space, host_memory_bytes
+
+    with pytest.raises(ValueError, match="swap_space"):
+        EngineArgs(swap_space=-0.5)
+    with pytest.raises(ValueError, match="(?s)preemption_mode.*'recompute', 'swap' or 'auto'"):
+        EngineArgs(preemption_mode="drop")
+    with pytest.raises(ValueError, match=r"swap_space=30 GiB x 2 rank\(s\).*host's 64.0 GiB"):
+        check_swap_space(30, 2, total=64 * 2**30)
+    check_swap_space(20, 2, total=64 * 2**30)  # 40 GiB: within 70%
+    too_much = host_memory_bytes() / 2**30  # the whole host, for one rank
+    with pytest.raises(ValueError, match="swap_space=.*lower swap_space"):
+        EngineArgs(device="cpu", swap_space=too_much).create_engine_config()
+    config = EngineArgs(device="cpu", swap_space=0.5, preemption_mode="swap")
+    engine_config = config.create_engine_config()
+    assert engine_config.cache_config.swap_space == 0.5
+    assert engine_config.scheduler_config.preemption_mode == "swap"
