@@ -160,7 +160,7 @@ def bench_tier(args, base: dict, vocab_size: int) -> None:
             "swap_space_gib": args.swap_space,
             **{f"ttft_{k}_s": round(statistics.median(v), 4) for k, v in times.items()},
             # The CPU tier's hits per query: the prefix's full blocks when the tier served it.
-        "cpu_hit_tokens_per_rep": cpu_hit_tokens // max(args.reps, 1),
+            "cpu_hit_tokens_per_rep": cpu_hit_tokens // max(args.reps, 1),
         },
         args.record,
     )

@@ -121,28 +121,32 @@ class KVSwapSpace:
                         dtype=cpu.dtype,
                         device=self.device,
                     )
-                    for first, pos, n in in_runs:
-                        buf[:, pos : pos + n].copy_(cpu[:, first : first + n], non_blocking=True)
+                    _copy_runs(buf, cpu, [(pos, first, n) for first, pos, n in in_runs])
                     staged.append(buf)
                 in_done = torch.cuda.Event()
                 in_done.record(side)
         if copies_out:
-            out_gpu = torch.tensor([g for g, _ in copies_out], device=self.device)
+            out_gpu = self._device_index([g for g, _ in copies_out])
             gathered = [gpu.index_select(BLOCK_DIM, out_gpu) for gpu in self.gpu_caches]
             side.wait_stream(main)
             out_runs = _runs([cpu for _, cpu in copies_out])
             with torch.cuda.stream(side):
                 for cpu, src in zip(self.cpu_caches, gathered, strict=True):
-                    for first, pos, n in out_runs:
-                        cpu[:, first : first + n].copy_(src[:, pos : pos + n], non_blocking=True)
+                    _copy_runs(cpu, src, out_runs)
             for t in gathered:
                 t.record_stream(side)
         if copies_in:
             main.wait_event(in_done)
-            in_gpu = torch.tensor([g for _, g in copies_in], device=self.device)
+            in_gpu = self._device_index([g for _, g in copies_in])
             for gpu, buf in zip(self.gpu_caches, staged, strict=True):
                 gpu.index_copy_(BLOCK_DIM, in_gpu, buf)
                 buf.record_stream(main)
+
+    def _device_index(self, ids: list[int]) -> torch.Tensor:
+        # Through pinned memory: a plain torch.tensor(..., device=) would wait for the step
+        # in flight.
+        host = torch.tensor(ids, dtype=torch.long).pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def synchronize(self) -> None:
         if self.stream is not None:
@@ -168,6 +172,15 @@ class KVSwapSpace:
     def _sync(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+
+def _copy_runs(dst: torch.Tensor, src: torch.Tensor, runs) -> None:
+    """dst[:, d : d + n] = src[:, s : s + n] for each (d, s, n), one contiguous copy per run
+    and key / value half (a strided copy between host and device would go through pageable
+    memory, synchronously)."""
+    for d, s, n in runs:
+        for half in range(dst.shape[0]):
+            dst[half, d : d + n].copy_(src[half, s : s + n], non_blocking=True)
 
 
 def _index_pair(pairs: Sequence[tuple[int, int]], device: torch.device):

@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.observability.metrics import PrometheusSink
-from engine.worker.kv_swap import KVSwapSpace, _runs
+from engine.worker.kv_swap import KVSwapSpace, _copy_runs, _runs
 
 TINY = dict(model="tiny-llama", load_format="dummy", max_model_len=256, block_size=4)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -176,3 +176,8 @@ def test_swap_copies_match_block_by_block_indexing_on_cpu(dtype):
 def test_pool_blocks_are_copied_in_runs():
     assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (5, 3, 2), (9, 5, 1)]
     assert _runs([]) == []
+    # The CUDA path's copies: run by run, both halves (keys, values).
+    src = torch.arange(2 * 6 * 3).reshape(2, 6, 3)
+    dst = torch.zeros(2, 10, 3, dtype=src.dtype)
+    _copy_runs(dst, src, _runs([4, 5, 7]))  # (pool id, position, length): pool <- staged
+    assert torch.equal(dst[:, [4, 5, 7]], src[:, :3]) and dst[:, [0, 1, 2, 3, 6, 8, 9]].eq(0).all()

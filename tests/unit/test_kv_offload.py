@@ -323,3 +323,30 @@ def test_swap_keys_are_checked_naming_the_field_and_the_host():
     engine_config = config.create_engine_config()
     assert engine_config.cache_config.swap_space == 0.5
     assert engine_config.scheduler_config.preemption_mode == "swap"
+
+
+def test_copies_of_a_step_not_launched_go_with_the_next_and_stay_unreadable_until_then():
+    from engine.core.kv_cache import KVCacheManager
+    from engine.core.kv_offload import KVOffload
+
+    kv = KVCacheManager(num_blocks=9, block_size=BLOCK_SIZE, enable_caching=False)
+    offload = KVOffload(kv, num_cpu_blocks=8, preemption_mode="swap")
+    request = make_request("r", 9, max_tokens=4)
+    kv.allocate_slots(request, 9)
+    request.num_computed_tokens = 9
+    request.append_output_token_ids(50)  # its sampled token is known: it can resume
+    gpu_ids = kv.get_block_ids(request)
+    assert offload.swap_out(request)
+    kv.free(request)
+    assert offload.next_to_resume(None) is None  # its copy out is not launched yet
+    copies_in, copies_out = offload.take_copies()
+    assert copies_in == [] and sorted(copies_out) == [(g, c) for g, c in zip(gpu_ids, range(3))]
+    offload.defer_copies()  # that step was never launched
+    assert offload.next_to_resume(None) is None
+    assert offload.take_copies() == ([], copies_out)
+    assert offload.next_to_resume(None) is request
+    assert offload.resume(request, 1) is not None
+    copies_in, _ = offload.take_copies()
+    assert [c for c, _ in copies_in] == [0, 1, 2]
+    assert [g for _, g in copies_in] == kv.get_block_ids(request)[:3]
+    offload.check_invariants()
