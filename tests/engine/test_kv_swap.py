@@ -181,3 +181,16 @@ def test_pool_blocks_are_copied_in_runs():
     dst = torch.zeros(2, 10, 3, dtype=src.dtype)
     _copy_runs(dst, src, _runs([4, 5, 7]))  # (pool id, position, length): pool <- staged
     assert torch.equal(dst[:, [4, 5, 7]], src[:, :3]) and dst[:, [0, 1, 2, 3, 6, 8, 9]].eq(0).all()
+
+
+def test_a_seeded_request_swapped_out_midway_samples_what_it_samples_running_through():
+    llm = LLM(**(TINY | dict(max_model_len=128, num_gpu_blocks=24)), **SWAP)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=40, ignore_eos=True)
+    prompt = list(range(1, 9))
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    # It arrives last, so it is the first the scheduler preempts: by swapping.
+    fillers = [[i + 20] * 8 for i in range(3)]
+    crowded = llm.generate([*fillers, prompt], [GREEDY] * 3 + [seeded])
+    assert llm.engine.stats()["num_swap_outs"] > 0
+    assert crowded[-1].outputs[0].token_ids == alone
+    _check_all_free(llm)
