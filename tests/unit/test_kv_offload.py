@@ -9,7 +9,8 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.block_hash import hash_block_tokens
-from engine.core.kv_offload import CpuBlockPool, SwapCostModel, offload_settings
+from engine.core.cpu_block_pool import CpuBlockPool
+from engine.core.kv_offload import SwapCostModel, offload_settings
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
