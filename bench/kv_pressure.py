@@ -8,7 +8,8 @@ python -m bench.kv_pressure --model-shape tiny-llama --num-prompts 8 --input-len
 
 pressure: --num-prompts prompts of --input-len random tokens, --output-len greedy tokens
 each (EOS ignored), all submitted at once, into a KV cache (num_gpu_blocks) that holds
---kv-fraction of them; one engine per preemption_mode. Reports throughput, p50/p99 time to
+--kv-fraction of them; one engine per preemption_mode (recompute without swap_space: the
+engine as it was). Reports throughput, p50/p99 time to
 first token (from submission) and the engine's preemption and swap counts.
 
 tier: one request at a time, a --prefix-len prefix followed by a fresh --suffix-len suffix:
@@ -56,9 +57,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _release(llm: LLM) -> None:
-    llm.engine.shutdown()
-    del llm
+def _free_memory() -> None:
+    """After an engine is dropped: its KV cache (in reference cycles) and pinned pool go."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -96,38 +96,51 @@ def bench_pressure(args, base: dict, vocab_size: int) -> None:
         temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True
     )
     for mode in args.modes:
-        llm = LLM(**_engine_kwargs(args, num_gpu_blocks=num_blocks, preemption_mode=mode))
+        # One engine at a time: each holds the whole KV cache.
+        result = _pressure_run(args, mode, num_blocks, prompts, params)
+        _free_memory()
+        emit({**base, **result}, args.record)
+
+
+def _pressure_run(args, mode: str, num_blocks: int, prompts, params) -> dict:
+    # recompute runs as without swap_space (no pool, no CPU tier): the engine as it was.
+    swap_space = 0 if mode == "recompute" else args.swap_space
+    engine_args = dict(num_gpu_blocks=num_blocks, preemption_mode=mode, swap_space=swap_space)
+    llm = LLM(**_engine_kwargs(args, **engine_args))
+    try:
         run_requests(llm, prompts[:2], params, "warm")  # kernels built before the clock
         wall, ttfts, num_out = run_requests(llm, prompts, params, mode)
         stats = llm.engine.stats()
-        emit(
-            {
-                **base,
-                "bench": "kv_pressure",
-                "preemption_mode": mode,
-                "num_prompts": args.num_prompts,
-                "input_len": args.input_len,
-                "output_len": args.output_len,
-                "kv_blocks": num_blocks,
-                "kv_fraction": round(args.kv_fraction, 3),
-                "swap_space_gib": args.swap_space,
-                "wall_s": round(wall, 2),
-                "output_tok_s": round(num_out / wall, 1),
-                "total_tok_s": round((num_out + args.num_prompts * args.input_len) / wall, 1),
-                "ttft_p50_s": round(_percentile(ttfts, 0.5), 3),
-                "ttft_p99_s": round(_percentile(ttfts, 0.99), 3),
-                "num_preemptions": stats["num_preemptions"],
-                "num_swap_outs": stats.get("num_swap_outs", 0),
-                "swap_threshold_tokens": llm.engine.scheduler.offload.swap_threshold_tokens
-                if llm.engine.scheduler.offload
-                else None,
-            },
-            args.record,
-        )
-        _release(llm)
+        offload = llm.engine.scheduler.offload
+        return {
+            "bench": "kv_pressure",
+            "preemption_mode": mode,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "kv_blocks": num_blocks,
+            "kv_fraction": round(args.kv_fraction, 3),
+            "swap_space_gib": swap_space,
+            "wall_s": round(wall, 2),
+            "output_tok_s": round(num_out / wall, 1),
+            "total_tok_s": round((num_out + args.num_prompts * args.input_len) / wall, 1),
+            "ttft_p50_s": round(_percentile(ttfts, 0.5), 3),
+            "ttft_p99_s": round(_percentile(ttfts, 0.99), 3),
+            "num_preemptions": stats["num_preemptions"],
+            "num_swap_outs": stats.get("num_swap_outs", 0),
+            "swap_threshold_tokens": offload.swap_threshold_tokens if offload else None,
+        }
+    finally:
+        llm.engine.shutdown()
 
 
 def bench_tier(args, base: dict, vocab_size: int) -> None:
+    result = _tier_run(args, vocab_size)
+    _free_memory()
+    emit({**base, **result}, args.record)
+
+
+def _tier_run(args, vocab_size: int) -> dict:
     # A cache of 4 requests' worth: 5 fillers, one after the other, reuse every block of it,
     # so the prefix is left in the CPU tier alone (which holds far more than 5 requests).
     per_request = args.prefix_len + args.suffix_len + 1
@@ -150,21 +163,17 @@ def bench_tier(args, base: dict, vocab_size: int) -> None:
         before = engine.stats().get("cpu_prefix_cache_hits", 0)
         times["cpu_hit"].append(run_requests(llm, [prefix + suffixes[2]], one, f"t{rep}")[1][0])
         cpu_hit_tokens += engine.stats().get("cpu_prefix_cache_hits", 0) - before
-    emit(
-        {
-            **base,
-            "bench": "kv_cpu_tier",
-            "prefix_len": args.prefix_len,
-            "suffix_len": args.suffix_len,
-            "reps": args.reps,
-            "swap_space_gib": args.swap_space,
-            **{f"ttft_{k}_s": round(statistics.median(v), 4) for k, v in times.items()},
-            # The CPU tier's hits per query: the prefix's full blocks when the tier served it.
-            "cpu_hit_tokens_per_rep": cpu_hit_tokens // max(args.reps, 1),
-        },
-        args.record,
-    )
-    _release(llm)
+    llm.engine.shutdown()
+    return {
+        "bench": "kv_cpu_tier",
+        "prefix_len": args.prefix_len,
+        "suffix_len": args.suffix_len,
+        "reps": args.reps,
+        "swap_space_gib": args.swap_space,
+        **{f"ttft_{k}_s": round(statistics.median(v), 4) for k, v in times.items()},
+        # The CPU tier's hits per query: the prefix's full blocks when the tier served it.
+        "cpu_hit_tokens_per_rep": cpu_hit_tokens // max(args.reps, 1),
+    }
 
 
 def _engine_kwargs(args, **overrides) -> dict:

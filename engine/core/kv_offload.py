@@ -40,7 +40,12 @@ class SwapCostModel:
     per-layer copy launches and the resumed step's wait, which do not shrink with N. So swap
     wins from N = fixed_s / (1 / prefill_tokens_per_s - 2 x kv_bytes_per_token /
     copy_bytes_per_s), and never where copying a token is slower than computing it. The
-    workers measure the rates (engine/worker/kv_swap.py, measure_swap_costs).
+    ranks measure the rates at start (engine/worker/kv_swap.py, swap_space_info): a
+    forward's prompt tokens per second, and copies of one block and of many into the cache.
+
+    Recomputing is counted in full, as the copy is: blocks a recomputed request still finds
+    in the prefix cache make it cheaper, and copies overlap the steps, which makes swapping
+    cheaper; neither is known when the victim is picked.
     """
 
     prefill_tokens_per_s: float
