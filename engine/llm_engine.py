@@ -61,15 +61,12 @@ class LLMEngine:
         self.num_gpu_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_gpu_blocks)
         self._log_start(config)
-        self.num_cpu_blocks, swap_threshold = offload_settings(
+        offload = offload_settings(
             self.executor.kv_swap_info(), config.scheduler_config.preemption_mode
         )
+        self.num_cpu_blocks = offload.num_cpu_blocks if offload is not None else 0
         self.scheduler = Scheduler(
-            config.scheduler_config,
-            config.cache_config,
-            self.num_gpu_blocks,
-            self.num_cpu_blocks,
-            swap_threshold,
+            config.scheduler_config, config.cache_config, self.num_gpu_blocks, offload
         )
         self.scheduler.schedule_placeholders = self.executor.supports_overlap
         self.scheduler.num_micro_batches = self.executor.max_concurrent_batches

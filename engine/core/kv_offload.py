@@ -63,24 +63,42 @@ class SwapCostModel:
         return max(1, math.ceil(self.fixed_s / saved_per_token))
 
 
+KV_COPY_BYTES_PER_STEP = 512 << 20
+"""Bytes of KV one step copies between a rank's cache and its pool. Each copy is staged on
+the GPU while it runs, outside the memory the KV cache was sized from, so a step's copies are
+bounded: beyond this, evicted blocks do not enter the CPU tier, tier hits are cut short, and
+a swap out or in waits (or the victim is recomputed) unless it is the step's first copy."""
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """What the engine learns from its ranks for the scheduler's KVOffload."""
+
+    num_cpu_blocks: int
+    swap_threshold_tokens: int | None = None
+    """preemption_mode="auto": swap from this many computed tokens (None: never)."""
+    max_copy_blocks: int | None = None
+    """Blocks a step may copy (KV_COPY_BYTES_PER_STEP); None: no bound."""
+
+
 class KVOffload:
     """The scheduler's side of swap and the CPU tier, over its KVCacheManager."""
 
     def __init__(
         self,
         kv: KVCacheManager,
-        num_cpu_blocks: int,
+        settings: OffloadSettings,
         preemption_mode: str,
         policy: str = "fcfs",
-        swap_threshold_tokens: int | None = None,
     ):
         self.kv = kv
         self.block_size = kv.block_size
-        self.pool = CpuBlockPool(num_cpu_blocks)
+        self.pool = CpuBlockPool(settings.num_cpu_blocks)
         self.preemption_mode = preemption_mode
         self.policy = policy
-        self.swap_threshold_tokens = swap_threshold_tokens
+        self.swap_threshold_tokens = settings.swap_threshold_tokens
         """preemption_mode="auto": swap from this many computed tokens (None: never)."""
+        self.max_copy_blocks = settings.max_copy_blocks
         self.swapped: list[Request] = []
         """Swapped-out requests in the order they resume: arrival, or (priority, arrival)
         under the priority policy."""
@@ -90,6 +108,8 @@ class KVOffload:
         self._unlaunched: set[int] = set()
         """CPU blocks this step writes: not readable before the next step."""
         self._taken: tuple[list, dict, set] = ([], {}, set())
+        self._reserved = 0
+        """Copies in counted before their GPU blocks are allocated (whose evictions copy too)."""
         self.num_swap_outs = 0
         self.num_swap_ins = 0
         self.num_cpu_hit_tokens = 0
@@ -109,7 +129,19 @@ class KVOffload:
             self.swap_threshold_tokens is None or num_computed < self.swap_threshold_tokens
         ):
             return False
-        return cdiv(num_computed, self.block_size) <= self.pool.num_free + len(self.pool.tier)
+        num_blocks = cdiv(num_computed, self.block_size)
+        room = num_blocks <= self.pool.num_free + len(self.pool.tier)
+        return room and self._copy_room(num_blocks)
+
+    def _num_copies(self) -> int:
+        return len(self._copies_in) + len(self._copies_out) + self._reserved
+
+    def _copy_room(self, num_blocks: int) -> bool:
+        """Whether this step may copy `num_blocks` more (its first copy always may)."""
+        num_copies = self._num_copies()
+        if self.max_copy_blocks is None or num_copies == 0:
+            return True
+        return num_copies + num_blocks <= self.max_copy_blocks
 
     def swap_out(self, request: Request) -> bool:
         """Copy the request's computed blocks out, before the scheduler frees them; False (and
@@ -159,13 +191,17 @@ class KVOffload:
         num_blocks = cdiv(num_computed, self.block_size)
         hits, _ = self.kv.get_computed_blocks(request)
         hits = hits[: num_computed // self.block_size]
+        if not self._copy_room(num_blocks - len(hits)):
+            return None  # the next step copies it
         request.num_computed_tokens = 0
+        self._reserved = num_blocks - len(hits)
         try:
             new_ids = self.kv.allocate_slots(
                 request, num_computed - len(hits) * self.block_size + num_new_tokens, hits
             )
         finally:
             request.num_computed_tokens = num_computed
+            self._reserved = 0
         if new_ids is None:
             return None
         cpu_ids = self.pool.swapped.pop(request.request_id)
@@ -188,13 +224,17 @@ class KVOffload:
     # -- the prefix cache's CPU tier --------------------------------------------------------
 
     def on_gpu_evict(self, block: KVCacheBlock) -> None:
-        """A cached GPU block is about to be reused: keep its KV in the tier."""
+        """A cached GPU block is about to be reused: keep its KV in the tier (if the step's
+        copies have room: else it is simply gone, as without a tier)."""
+        if not self._copy_room(1):
+            return
         cpu_id = self.pool.tier_add(block.block_hash)
         if cpu_id is not None:
             self._copy_out(block.block_id, cpu_id)
 
     def cpu_prefix_hits(self, request: Request, num_gpu_hit_blocks: int) -> list[int]:
         """Tier blocks that continue a request's GPU prefix hits (never its last token)."""
+        self._reserved = 0
         if not self.kv.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -204,10 +244,14 @@ class KVOffload:
             if cpu_id is None or cpu_id in self._unlaunched:
                 break
             found.append(cpu_id)
+        if self.max_copy_blocks is not None:
+            found = found[: max(0, self.max_copy_blocks - self._num_copies())]
+        self._reserved = len(found)  # until copy_in_hits, after their blocks are allocated
         return found
 
     def copy_in_hits(self, cpu_ids: Sequence[int], gpu_block_ids: Sequence[int]) -> None:
         """Tier hits an admitted request got fresh GPU blocks for (the first of its new ones)."""
+        self._reserved = 0
         self._copies_in += zip(cpu_ids, gpu_block_ids[: len(cpu_ids)], strict=True)
         self.num_cpu_hit_tokens += len(cpu_ids) * self.block_size
 
@@ -225,6 +269,7 @@ class KVOffload:
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's (cpu, gpu) copies in and (gpu, cpu) copies out, for SchedulerOutput."""
         copies_in, copies_out = self._copies_in, self._copies_out
+        self._reserved = 0
         self._taken = (copies_in, copies_out, self._unlaunched)
         self._copies_in, self._copies_out, self._unlaunched = [], {}, set()
         return copies_in, [(gpu, cpu) for cpu, gpu in copies_out.items()]
@@ -256,24 +301,26 @@ class KVOffload:
 
 def offload_settings(
     rank_infos: list[dict[str, float]], preemption_mode: str
-) -> tuple[int, int | None]:
-    """(CPU pool blocks every rank holds, the auto mode's swap threshold) from the ranks'
-    kv_swap_info; (0, None) without a pool. The threshold uses the slowest rank's copies and
+) -> OffloadSettings | None:
+    """The pool blocks every rank holds, the auto mode's swap threshold and the step's copy
+    bound, from the ranks' kv_swap_info; None without a pool. The threshold uses the slowest rank's copies and
     prefill rate. Pipeline stages cannot time a forward alone: without any prefill rate auto
     swaps from the first block (on a GPU, copying a token's KV over PCIe takes a fraction of
     the time computing it does for any model worth splitting into stages)."""
     if not rank_infos:
-        return 0, None
+        return None
     num_blocks = int(min(info["num_cpu_blocks"] for info in rank_infos))
+    block_bytes = max(info["block_bytes"] for info in rank_infos)
+    max_copy_blocks = max(1, KV_COPY_BYTES_PER_STEP // int(block_bytes))
     if preemption_mode != "auto":
-        return num_blocks, None
+        return OffloadSettings(num_blocks, None, max_copy_blocks)
     prefill = [i["prefill_tokens_per_s"] for i in rank_infos if "prefill_tokens_per_s" in i]
     if not prefill:
-        return num_blocks, 1
+        return OffloadSettings(num_blocks, 1, max_copy_blocks)
     model = SwapCostModel(
         prefill_tokens_per_s=min(prefill),
         copy_bytes_per_s=min(i["copy_bytes_per_s"] for i in rank_infos),
         kv_bytes_per_token=max(i["kv_bytes_per_token"] for i in rank_infos),
         fixed_s=max(i["fixed_s"] for i in rank_infos),
     )
-    return num_blocks, model.threshold_tokens()
+    return OffloadSettings(num_blocks, model.threshold_tokens(), max_copy_blocks)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache import KVCacheManager
-from engine.core.kv_offload import KVOffload
+from engine.core.kv_offload import KVOffload, OffloadSettings
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import (
     CachedRequestData,
@@ -35,8 +35,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_gpu_blocks: int,
-        num_cpu_blocks: int = 0,
-        swap_threshold_tokens: int | None = None,
+        offload: OffloadSettings | None = None,
     ):
         self.config = scheduler_config
         self.policy = scheduler_config.policy
@@ -62,13 +61,9 @@ class Scheduler:
         """req id -> how many of its tokens the workers hold (sent in full or as diffs)."""
         self.offload: KVOffload | None = None
         """The CPU pool (swap_space): swapped requests and the prefix cache's CPU tier."""
-        if num_cpu_blocks:
+        if offload is not None:
             self.offload = KVOffload(
-                self.kv_cache_manager,
-                num_cpu_blocks,
-                scheduler_config.preemption_mode,
-                self.policy,
-                swap_threshold_tokens,
+                self.kv_cache_manager, offload, scheduler_config.preemption_mode, self.policy
             )
 
     # -- requests ---------------------------------------------------------------------------

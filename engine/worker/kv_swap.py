@@ -250,7 +250,10 @@ def swap_space_info(
     """What the scheduler needs of this rank's pool: its blocks and, with `measure`
     (preemption_mode="auto"), the rates of engine/core/kv_offload.py's SwapCostModel.
     `model` None (a later pipeline stage, which cannot run alone): no prefill rate."""
-    info: dict[str, float] = {"num_cpu_blocks": space.num_cpu_blocks}
+    info: dict[str, float] = {
+        "num_cpu_blocks": space.num_cpu_blocks,
+        "block_bytes": space.block_bytes,
+    }
     if not measure:
         return info
     copy_bytes_per_s, one_block_s = space.measure_copy_costs(num_gpu_blocks)

@@ -10,7 +10,12 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.block_hash import hash_block_tokens
 from engine.core.cpu_block_pool import CpuBlockPool
-from engine.core.kv_offload import SwapCostModel, offload_settings
+from engine.core.kv_offload import (
+    KV_COPY_BYTES_PER_STEP,
+    OffloadSettings,
+    SwapCostModel,
+    offload_settings,
+)
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -46,6 +51,7 @@ def swap_scheduler(
     policy: str = "fcfs",
     caching: bool = False,
     threshold: int | None = None,
+    max_copy_blocks: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -57,8 +63,7 @@ def swap_scheduler(
         ),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching),
         num_blocks,
-        num_cpu_blocks,
-        threshold,
+        OffloadSettings(num_cpu_blocks, threshold, max_copy_blocks),
     )
 
 
@@ -233,28 +238,31 @@ def test_the_swap_threshold_follows_the_cost_model():
 
 def test_offload_settings_take_the_smallest_pool_and_the_slowest_rates():
     ranks = [
-        {"num_cpu_blocks": 10, "copy_bytes_per_s": 1e8, "fixed_s": 4e-4,
+        {"num_cpu_blocks": 10, "block_bytes": 2**20, "copy_bytes_per_s": 1e8, "fixed_s": 4e-4,
          "kv_bytes_per_token": 1e3, "prefill_tokens_per_s": 2e4},
-        {"num_cpu_blocks": 8, "copy_bytes_per_s": 2e8, "fixed_s": 8e-4,
+        {"num_cpu_blocks": 8, "block_bytes": 2**21, "copy_bytes_per_s": 2e8, "fixed_s": 8e-4,
          "kv_bytes_per_token": 1e3, "prefill_tokens_per_s": 1e4},
     ]  # fmt: skip
-    assert offload_settings(ranks, "auto") == (8, 10)
-    assert offload_settings(ranks, "swap") == (8, None)
-    assert offload_settings([], "auto") == (0, None)
+    copy_blocks = KV_COPY_BYTES_PER_STEP // 2**21  # the larger block bounds a step's copies
+    assert offload_settings(ranks, "auto") == OffloadSettings(8, 10, copy_blocks)
+    assert offload_settings(ranks, "swap") == OffloadSettings(8, None, copy_blocks)
+    assert offload_settings([], "auto") is None
     stages = [{k: v for k, v in r.items() if k != "prefill_tokens_per_s"} for r in ranks]
-    assert offload_settings(stages, "auto") == (8, 1)
+    assert offload_settings(stages, "auto") == OffloadSettings(8, 1, copy_blocks)
 
 
+@pytest.mark.parametrize("max_copy_blocks", [None, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_with_shared_prefixes_keeps_every_kv_right(seed):
+def test_random_traffic_with_shared_prefixes_keeps_every_kv_right(seed, max_copy_blocks):
     """Swaps, evictions to the tier and tier hits in the same steps, with arrivals as the
-    requests run: the fake runner checks each computed position's KV every step."""
+    requests run: the fake runner checks each computed position's KV every step. With a
+    bound on a step's copies, only a step's first copy may pass it."""
     import random
 
     rng = random.Random(seed)
     scheduler = swap_scheduler(
         num_blocks=rng.randint(10, 16), num_cpu_blocks=rng.randint(6, 24), caching=True,
-        policy=rng.choice(["fcfs", "priority"]),
+        policy=rng.choice(["fcfs", "priority"]), max_copy_blocks=max_copy_blocks,
     )  # fmt: skip
     runner = SwapFakeRunner()
     prefixes = [[rng.randrange(10, 60) for _ in range(8)] for _ in range(3)]
@@ -271,7 +279,10 @@ def test_random_traffic_with_shared_prefixes_keeps_every_kv_right(seed):
             if not pending:
                 break
             continue
-        step(scheduler, runner)
+        out, _ = step(scheduler, runner)
+        num_copies = len(out.kv_copies_in) + len(out.kv_copies_out)
+        if max_copy_blocks is not None and num_copies > max_copy_blocks:
+            assert out.kv_copies_in == [] or out.kv_copies_out == [], "past the bound twice"
         scheduler.offload.check_invariants()
     assert not pending and not scheduler.has_unfinished_requests()
     for request in requests:
@@ -331,7 +342,7 @@ def test_copies_of_a_step_not_launched_go_with_the_next_and_stay_unreadable_unti
     from engine.core.kv_offload import KVOffload
 
     kv = KVCacheManager(num_blocks=9, block_size=BLOCK_SIZE, enable_caching=False)
-    offload = KVOffload(kv, num_cpu_blocks=8, preemption_mode="swap")
+    offload = KVOffload(kv, OffloadSettings(num_cpu_blocks=8), preemption_mode="swap")
     request = make_request("r", 9, max_tokens=4)
     kv.allocate_slots(request, 9)
     request.num_computed_tokens = 9
