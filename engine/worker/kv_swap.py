@@ -66,8 +66,6 @@ class KVSwapSpace:
         self.is_cuda = self.device.type == "cuda"
         self.gpu_caches = [_bytes_view(c) for c in gpu_caches]
         self.num_cpu_blocks = num_cpu_blocks
-        shape = list(self.gpu_caches[0].shape)
-        shape[BLOCK_DIM] = num_cpu_blocks
         self.cpu_caches = [
             torch.zeros(
                 [*c.shape[:BLOCK_DIM], num_cpu_blocks, *c.shape[BLOCK_DIM + 1 :]],
