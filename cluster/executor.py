@@ -194,6 +194,10 @@ class RayActorGroupExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self._get([w.initialize_cache.remote(num_blocks) for w in self.workers])
 
+    def kv_swap_info(self) -> list[dict[str, float]]:
+        infos = self._get([w.kv_swap_info.remote() for w in self.workers])
+        return [info for info in infos if info is not None]
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._submit(scheduler_output).result()
 

@@ -91,6 +91,9 @@ class RayWorker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
 
+    def kv_swap_info(self) -> dict[str, float] | None:
+        return self.worker.kv_swap_info()
+
     def execute_model(self, scheduler_output: SchedulerOutput | None) -> ModelRunnerOutput | None:
         """Launch this step, then answer with the output of the step launched by the call
         before (None for none). The next step is on the device before this rank waits for

@@ -129,6 +129,12 @@ class CacheConfig(_Frozen):
     `self_attn.k_scale` / `v_scale` (or `k_proj` / `v_proj.output_scale`), 1.0 where it has
     none. Needs a GPU of compute capability 8.9 or later; a CPU runs it through the torch
     references."""
+    swap_space: float = Field(default=0, ge=0, allow_inf_nan=False)
+    """GiB of pinned CPU memory per rank for KV blocks off the GPU (vLLM's name): requests
+    preempted by swapping (preemption_mode) and, with enable_prefix_caching, full blocks
+    evicted from the GPU's prefix cache (a second, CPU tier; swapped requests win the room).
+    0: off. Refused at start when the ranks together would pin more than 70% of the host's
+    memory (SWAP_SPACE_HOST_FRACTION)."""
 
 
 class SchedulerConfig(_Frozen):
@@ -142,6 +148,12 @@ class SchedulerConfig(_Frozen):
     in chunks), so that an arriving prompt holds up the running streams by a bounded step.
     0 or None: up to max_num_batched_tokens. EngineArgs.create_engine_config resolves None:
     SERVER_PREFILL_TOKENS_WITH_DECODES when serving, 0 offline."""
+    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
+    """How a request gives up its KV blocks when they run short: recompute frees them (its
+    tokens are computed again when it resumes); swap copies them to the CPU pool
+    (swap_space) and back when it resumes; auto swaps a request whose computed tokens cost
+    more to recompute than to copy back (engine/core/kv_offload.py's SwapCostModel). Swap
+    falls back to recompute while the CPU pool is full, and without swap_space."""
 
 
 class ParallelConfig(_Frozen):
@@ -430,6 +442,7 @@ class EngineArgs(_EngineArgsFields):
             sched_args["max_prefill_tokens_with_decodes"] = (
                 SERVER_PREFILL_TOKENS_WITH_DECODES if usage_context == "server" else 0
             )
+        check_swap_space(self.swap_space, self.world_size)
         runner_args: dict[str, Any] = {"enforce_eager": self.enforce_eager}
         if self.prefill_cuda_graph_tokens is not None:
             runner_args["prefill_cuda_graph_tokens"] = self.prefill_cuda_graph_tokens
@@ -456,6 +469,41 @@ class EngineArgs(_EngineArgsFields):
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings={model_max}"
             )
         return max_len or 2048
+
+
+SWAP_SPACE_HOST_FRACTION = 0.7
+"""The most of the host's memory swap_space may pin, all ranks together: pinned pages cannot
+be paged out, and the engine's own processes need the rest."""
+
+
+def host_memory_bytes() -> int:
+    """The host's physical memory (os.sysconf; /proc/meminfo's MemTotal where sysconf lacks it)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    raise ValueError("cannot read the host's memory size")
+
+
+def check_swap_space(swap_space: float, num_ranks: int, total: int | None = None) -> None:
+    """ValueError naming swap_space when num_ranks x swap_space GiB is more than
+    SWAP_SPACE_HOST_FRACTION of the host's memory (`total` bytes, read when None). The ranks
+    are counted as if all ran on this host: the stricter reading for a group on one node."""
+    if swap_space < 0:
+        raise ValueError(f"swap_space must be >= 0 GiB, got {swap_space}")
+    if swap_space == 0:
+        return
+    total = host_memory_bytes() if total is None else total
+    wanted = swap_space * num_ranks * 2**30
+    if wanted > SWAP_SPACE_HOST_FRACTION * total:
+        raise ValueError(
+            f"swap_space={swap_space} GiB x {num_ranks} rank(s) = {wanted / 2**30:.1f} GiB of "
+            f"pinned memory is more than {SWAP_SPACE_HOST_FRACTION:.0%} of this host's "
+            f"{total / 2**30:.1f} GiB: lower swap_space"
+        )
 
 
 def _fields_of(part: type[BaseModel], args: dict[str, Any]) -> dict[str, Any]:

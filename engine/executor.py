@@ -35,6 +35,11 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def kv_swap_info(self) -> list[dict[str, float]]:
+        """Each rank's CPU pool after initialize_cache (Worker.kv_swap_info), rank order;
+        [] without swap_space. An executor that does not ask its ranks has no swap."""
+        return []
+
     @property
     def max_concurrent_batches(self) -> int:
         """Steps that may be in flight at once: one per pipeline stage, so that while one
@@ -100,6 +105,10 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def kv_swap_info(self) -> list[dict[str, float]]:
+        info = self.worker.kv_swap_info()
+        return [] if info is None else [info]
 
     def step_weight_bytes(self) -> int:
         return self.worker.weight_bytes()

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from engine.config import EngineArgs, EngineConfig, UsageContext
+from engine.core.kv_offload import offload_settings
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
@@ -60,8 +61,12 @@ class LLMEngine:
         self.num_gpu_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_gpu_blocks)
         self._log_start(config)
+        offload = offload_settings(
+            self.executor.kv_swap_info(), config.scheduler_config.preemption_mode
+        )
+        self.num_cpu_blocks = offload.num_cpu_blocks if offload is not None else 0
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.num_gpu_blocks
+            config.scheduler_config, config.cache_config, self.num_gpu_blocks, offload
         )
         self.scheduler.schedule_placeholders = self.executor.supports_overlap
         self.scheduler.num_micro_batches = self.executor.max_concurrent_batches
@@ -124,6 +129,8 @@ class LLMEngine:
         kv = self.scheduler.kv_cache_manager
         kv.reset_prefix_cache()
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0
+        if self.scheduler.offload is not None:
+            self.scheduler.offload.reset_prefix_cache()
 
     def enable_metrics(self, sink: MetricsSink, flush_interval_s: float = 1.0) -> None:
         """Record engine metrics into `sink` from the next request on (see engine/observability/metrics.py)."""

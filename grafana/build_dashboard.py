@@ -210,7 +210,38 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
                             rate("ray_kvray_prefix_cache_queries_total"),
                         ),
                         "hit rate",
-                    )
+                    ),
+                    (
+                        ratio(
+                            rate("ray_kvray_prefix_cache_cpu_hits_total"),
+                            rate("ray_kvray_prefix_cache_queries_total"),
+                        ),
+                        "from the CPU tier",
+                    ),
+                ],
+            ),
+            (
+                "CPU KV pool (swap_space) usage",
+                "timeseries",
+                "percentunit",
+                [
+                    (
+                        f"max by (replica) (ray_kvray_cpu_kv_cache_usage_perc{{{SEL}}})",
+                        "{{replica}}",
+                    ),
+                    (
+                        f"max by (replica) (ray_kvray_cpu_prefix_cache_usage_perc{{{SEL}}})",
+                        "{{replica}} prefix tier",
+                    ),
+                ],
+            ),
+            (
+                "Swaps / s",
+                "timeseries",
+                "short",
+                [
+                    (rate("ray_kvray_num_swap_outs_total", "replica"), "{{replica}} out"),
+                    (rate("ray_kvray_num_swap_ins_total", "replica"), "{{replica}} in"),
                 ],
             ),
         ],

@@ -7,7 +7,7 @@ the null block: it pads block tables and is never handed to a request.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from engine.core.block_hash import BlockHash, hash_block_tokens
 from engine.core.request import Request
@@ -94,6 +94,9 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.evict_listener: Callable[[KVCacheBlock], None] | None = None
+        """Called with each cached block just before it is reused (its KV still intact):
+        the CPU tier of the prefix cache (engine/core/kv_offload.py) keeps a copy."""
 
     @property
     def num_usable_blocks(self) -> int:
@@ -121,6 +124,8 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
+            if block.block_hash is not None and self.evict_listener is not None:
+                self.evict_listener(block)
             self.uncache_block(block)
             block.ref_cnt = 1
             blocks.append(block)

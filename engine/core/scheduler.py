@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache import KVCacheManager
+from engine.core.kv_offload import KVOffload, OffloadSettings
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import (
     CachedRequestData,
@@ -30,7 +31,11 @@ from engine.sampling_params import RequestInputError
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_gpu_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_gpu_blocks: int,
+        offload: OffloadSettings | None = None,
     ):
         self.config = scheduler_config
         self.policy = scheduler_config.policy
@@ -54,6 +59,12 @@ class Scheduler:
         requests, so that while one batch is in stage 2 the next has work for stage 1."""
         self._num_sent_tokens: dict[str, int] = {}
         """req id -> how many of its tokens the workers hold (sent in full or as diffs)."""
+        self.offload: KVOffload | None = None
+        """The CPU pool (swap_space): swapped requests and the prefix cache's CPU tier."""
+        if offload is not None:
+            self.offload = KVOffload(
+                self.kv_cache_manager, offload, scheduler_config.preemption_mode, self.policy
+            )
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -97,21 +108,28 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._dequeue(request)
             self._finish(request, status)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self._swapped())
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self._swapped())
+
+    def _swapped(self) -> list[Request]:
+        return self.offload.swapped if self.offload is not None else []
+
+    def _dequeue(self, request: Request) -> None:
+        """Take an unfinished request out of its queue: running, swapped or waiting."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif self.offload is None or not self.offload.drop(request):
+            self.waiting.remove(request)
 
     def stats(self) -> dict[str, float]:
         kv = self.kv_cache_manager
-        return {
+        stats = {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,
@@ -120,6 +138,10 @@ class Scheduler:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "kv_cache_fragmentation": self._fragmentation(),
         }
+        if self.offload is not None:
+            stats |= self.offload.stats()
+            stats["prefix_cache_hits"] += stats["cpu_prefix_cache_hits"]
+        return stats
 
     def _fragmentation(self) -> float:
         """Share of the running requests' token slots that hold no token (last-block waste)."""
@@ -138,9 +160,10 @@ class Scheduler:
             max_seqs=self._max_seqs_this_step(),
         )
         self._schedule_running(step)
-        scheduled_running = [self.requests[r] for r in step.num_scheduled]
         # A step that had to preempt is short of blocks: admitting now would only thrash.
         scheduled_new = [] if step.preempted else self._admit_waiting(step)
+        admitted = {r.request_id for r in scheduled_new}
+        scheduled_running = [self.requests[r] for r in step.num_scheduled if r not in admitted]
 
         output = SchedulerOutput(
             scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
@@ -153,6 +176,8 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
         )
         self._finished_req_ids = set()
+        if self.offload is not None:
+            output.kv_copies_in, output.kv_copies_out = self.offload.take_copies()
         # Advance now, as if the step already ran: update_from_output only appends tokens.
         for req_id, n in step.num_scheduled.items():
             request = self.requests[req_id]
@@ -197,21 +222,42 @@ class Scheduler:
         kv = self.kv_cache_manager
         admitted: list[Request] = []
         while (
-            self.waiting
+            (self.waiting or self._swapped())
             and min(step.tokens, step.prefill_tokens) > 0
             and len(self.running) < self.config.max_num_seqs
             and len(step.num_scheduled) < step.max_seqs
         ):
-            request = self.waiting[0]
-            computed_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, step.tokens, step.prefill_tokens)
-            if kv.allocate_slots(request, num_new, computed_blocks) is None:
-                break  # the head of the queue waits for blocks; nothing behind it jumps ahead
-            self.waiting.pop(0)
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_hit
+            head = self.waiting[0] if self.waiting else None
+            resumed = self.offload.next_to_resume(head) if self.offload is not None else None
+            if resumed is not None:
+                # Swapped out: its KV comes back from the CPU pool, nothing is recomputed.
+                request = resumed
+                num_new = min(self._num_wanted(request), step.tokens, step.prefill_tokens)
+                if self.offload.resume(request, num_new) is None:
+                    break
+            elif head is None:
+                break
+            else:
+                request = head
+                computed_blocks, num_hit = kv.get_computed_blocks(request)
+                cpu_hits = self._cpu_prefix_hits(request, len(computed_blocks))
+                num_cpu_hit = len(cpu_hits) * self.block_size
+                num_new = min(
+                    request.num_tokens - num_hit - num_cpu_hit, step.tokens, step.prefill_tokens
+                )
+                new_ids = kv.allocate_slots(request, num_cpu_hit + num_new, computed_blocks)
+                if new_ids is None:
+                    if self._swap_out_for(request, step, admitted):
+                        continue
+                    break  # the head of the queue waits for blocks; nothing behind it jumps ahead
+                if cpu_hits:
+                    self.offload.copy_in_hits(cpu_hits, new_ids)
+                    num_hit += num_cpu_hit
+                self.waiting.pop(0)
+                if request.status == RequestStatus.WAITING:
+                    request.num_cached_tokens = num_hit
+                request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
             self.running.append(request)
             admitted.append(request)
             step.num_scheduled[request.request_id] = num_new
@@ -219,9 +265,34 @@ class Scheduler:
             step.prefill_tokens -= num_new
         return admitted
 
+    def _cpu_prefix_hits(self, request: Request, num_gpu_hit_blocks: int) -> list[int]:
+        if self.offload is None:
+            return []
+        return self.offload.cpu_prefix_hits(request, num_gpu_hit_blocks)
+
+    def _swap_out_for(self, request: Request, step: _StepBudget, admitted: list[Request]) -> bool:
+        """Under the priority policy, a waiting request more urgent than the least urgent
+        running one takes that one's blocks by swapping it out (never by recomputing it: the
+        victim keeps its work). True if it did."""
+        if self.offload is None or self.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if (
+            victim.priority <= request.priority
+            or victim in admitted
+            or not self.offload.can_swap(victim)
+        ):
+            return False
+        step.refund(victim.request_id)
+        self._preempt(victim)
+        return True
+
     def defer_finished(self, output: SchedulerOutput) -> None:
-        """Send an unlaunched (empty) output's finished ids with the next step instead."""
+        """Send an unlaunched (empty) output's finished ids and KV copies with the next step
+        instead."""
         self._finished_req_ids |= output.finished_req_ids
+        if self.offload is not None:
+            self.offload.defer_copies()
 
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may take: max_prefill_tokens_with_decodes while a running
@@ -280,9 +351,8 @@ class Scheduler:
             request.append_output_token_ids(token)
             status = self._check_stop(request)
             if status is not None:
-                # A request preempted while its step was in flight waits in the queue.
-                queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
-                queue.remove(request)
+                # A request preempted while its step was in flight waits in a queue.
+                self._dequeue(request)
                 self._finish(request, status)
             updated.append(request)
         return updated
@@ -328,13 +398,18 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        # Swapped (preemption_mode, room in the CPU pool): it keeps its computed tokens and
+        # waits in the offload's queue; else they are recomputed when it resumes.
+        swapped = self.offload is not None and self.offload.swap_out(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        if not swapped:
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_on_workers(request)
-        self._add_waiting(request, front=True)
+        if not swapped:
+            self._add_waiting(request, front=True)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

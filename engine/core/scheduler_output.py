@@ -46,6 +46,14 @@ class SchedulerOutput:
     grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
     """req_id -> int32 words of the tokens its structured output allows next (bit i of word
     w: token 32w + i); requests without one sample freely."""
+    kv_copies_out: list[tuple[int, int]] = field(default_factory=list)
+    """(GPU block, CPU block) pairs to copy to the CPU pool before this step's forward
+    overwrites them: swapped-out requests and blocks evicted to the prefix cache's CPU tier
+    (engine/core/kv_offload.py). Every rank copies its own shard."""
+    kv_copies_in: list[tuple[int, int]] = field(default_factory=list)
+    """(CPU block, GPU block) pairs to copy back before this step's forward reads them:
+    resumed requests and CPU-tier prefix hits. A step reads before it writes: copies in
+    read the pool before copies out write it."""
 
     @property
     def is_empty(self) -> bool:

@@ -72,8 +72,24 @@ METRICS: tuple[MetricDef, ...] = (
         "Fraction of the token slots in running requests' blocks that hold no token (0 to 1).",
     ),
     _counter("kvray_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    _counter("kvray_prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    _counter(
+        "kvray_prefix_cache_hits", "Prompt tokens served from the prefix cache (GPU or CPU tier)."
+    ),
+    _counter(
+        "kvray_prefix_cache_cpu_hits",
+        "Of the prefix-cache hits, tokens copied in from the CPU tier (swap_space).",
+    ),
     _counter("kvray_num_preemptions", "Running requests preempted to free KV blocks."),
+    _counter("kvray_num_swap_outs", "Preempted requests whose KV was swapped out to CPU."),
+    _counter("kvray_num_swap_ins", "Swapped requests whose KV was copied back to resume."),
+    _gauge(
+        "kvray_cpu_kv_cache_usage_perc",
+        "Fraction of the CPU pool's KV blocks (swap_space) in use: swapped and CPU tier (0 to 1).",
+    ),
+    _gauge(
+        "kvray_cpu_prefix_cache_usage_perc",
+        "Fraction of the CPU pool's KV blocks held by the prefix cache's CPU tier (0 to 1).",
+    ),
     _counter("kvray_prompt_tokens", "Prompt tokens of requests that produced a first token."),
     _counter("kvray_generation_tokens", "Tokens generated."),
     _counter(
@@ -232,11 +248,16 @@ _ENGINE_GAUGES = {
     "kvray_num_requests_swapped": "num_swapped",
     "kvray_kv_cache_usage_perc": "kv_cache_usage",
     "kvray_kv_cache_fragmentation_perc": "kv_cache_fragmentation",
+    "kvray_cpu_kv_cache_usage_perc": "cpu_kv_cache_usage",
+    "kvray_cpu_prefix_cache_usage_perc": "cpu_prefix_cache_usage",
 }
 _ENGINE_TOTALS = {
     "kvray_prefix_cache_queries": "prefix_cache_queries",
     "kvray_prefix_cache_hits": "prefix_cache_hits",
+    "kvray_prefix_cache_cpu_hits": "cpu_prefix_cache_hits",
     "kvray_num_preemptions": "num_preemptions",
+    "kvray_num_swap_outs": "num_swap_outs",
+    "kvray_num_swap_ins": "num_swap_ins",
 }
 """Counters kept as running totals by the scheduler: the sink gets the difference."""
 

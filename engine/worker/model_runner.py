@@ -37,6 +37,7 @@ from engine.worker.kv_memory import (
     num_gpu_blocks,
     profile_batch,
 )
+from engine.worker.kv_swap import KVSwapSpace, create_swap_space, swap_space_info
 from engine.worker.loader import ModelSource, load_model
 from engine.worker.piecewise_graphs import PiecewiseCudaGraphs
 from engine.worker.request_states import CachedRequestState, RequestStates
@@ -80,6 +81,8 @@ class ModelRunner:
         self.requests = RequestStates(device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_swap: KVSwapSpace | None = None
+        """The CPU pool of swap_space (engine/worker/kv_swap.py); None without one."""
         self.cuda_graphs: DecodeCudaGraphs | None = None
         self.piecewise_graphs: PiecewiseCudaGraphs | None = None
         self._in_flight = SamplesInFlight()
@@ -150,6 +153,7 @@ class ModelRunner:
             self.model, num_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         bind_kv_caches(self.model, self.kv_caches)
+        self.kv_swap = create_swap_space(self.kv_caches, self.config.cache_config.swap_space)
         # Graphs capture a whole-model forward: pipeline stages run eagerly.
         use_graphs = self.config.parallel_config.pipeline_parallel_size == 1
         if self.device.type == "cuda" and not self.config.enforce_eager and use_graphs:
@@ -174,6 +178,23 @@ class ModelRunner:
             layer = attention_layers(self.model)[0]
             warm_up_decode(self.kv_caches[0], layer.num_heads, layer.scale, self.dtype)
 
+    def kv_swap_info(self) -> dict[str, float] | None:
+        """The CPU pool's blocks and, for preemption_mode="auto", its measured copy and
+        prefill rates (engine/worker/kv_swap.py); None without a pool."""
+        if self.kv_swap is None:
+            return None
+        sched = self.config.scheduler_config
+        whole_model = self.is_first_stage and self.is_last_stage
+        return swap_space_info(
+            self.kv_swap,
+            self.block_size,
+            self.kv_caches[0].shape[1],
+            measure=sched.preemption_mode == "auto",
+            model=self.model if whole_model else None,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=sched.max_model_len,
+        )
+
     # -- one step -------------------------------------------------------------------------
 
     def prepare_inputs(self, out: SchedulerOutput) -> BatchInputs:
@@ -188,6 +209,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, out: SchedulerOutput) -> PendingRunnerOutput:
         """Launch the step and return at once; `.result()` waits for the sampled tokens."""
+        if self.kv_swap is not None:
+            self.kv_swap.apply(out.kv_copies_out, out.kv_copies_in)
         self.requests.update(out)
         if out.is_empty:
             return PendingRunnerOutput.done(ModelRunnerOutput())

@@ -46,6 +46,11 @@ class Worker:
         self._use_device()
         self.runner.init_kv_cache(num_blocks)
 
+    def kv_swap_info(self) -> dict[str, float] | None:
+        """This rank's CPU pool for the scheduler (engine/worker/kv_swap.py); None without."""
+        self._use_device()
+        return self.runner.kv_swap_info()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
 

@@ -226,3 +226,22 @@ def test_compiled_graph_tp2_equals_tp1_and_a_killed_worker_fails_the_step(ray_in
         executor.check_health()
     engine.shutdown()
     _assert_gone(pids)
+
+
+def test_tp2_pp2_swapping_under_pressure_equals_tp1(ray_instance, tiny):
+    """swap_space across an actor group: every rank copies its own shard (both stages, both
+    tensor-parallel halves) and the swapped request resumes with the tokens of TP=1."""
+    path, want, _ = tiny
+    # 7 usable blocks of 4 tokens; the two requests grow to 6 and 5 blocks.
+    group = dict(tensor_parallel_size=2, pipeline_parallel_size=2, **RAY_GROUP)
+    swap = dict(num_gpu_blocks=8, swap_space=0.001, preemption_mode="swap")
+    llm = LLM(path, **(TINY_ARGS | group | swap))
+    try:
+        assert _tokens(llm, TOKEN_PROMPTS) == want
+        stats = llm.engine.stats()
+        assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] == stats["num_swap_outs"]
+        offload = llm.engine.scheduler.offload
+        assert not offload.swapped
+        assert offload.pool.num_free + len(offload.pool.tier) == offload.pool.num_blocks
+    finally:
+        llm.engine.shutdown()

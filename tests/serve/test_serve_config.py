@@ -209,6 +209,17 @@ def test_the_kv_cache_dtype_flag_reaches_the_engine_arguments():
     assert engine_args(load_app_config({})).kv_cache_dtype == "auto"
 
 
+def test_the_swap_flags_reach_the_engine_arguments_and_bad_values_name_the_key():
+    config, _ = parse_serve_args(["serve", "--swap-space", "4", "--preemption-mode", "auto"])
+    args = engine_args(config)
+    assert (args.swap_space, args.preemption_mode) == (4.0, "auto")
+    assert engine_args(load_app_config({})).swap_space == 0
+    with pytest.raises(ValueError, match="swap_space"):
+        load_app_config({"swap_space": -1})
+    with pytest.raises(ValueError, match="preemption_mode: Input should be 'recompute', 'swap'"):
+        load_app_config({"preemption_mode": "drop"})
+
+
 def test_several_served_names_come_as_vllms_flag_or_as_json_text():
     config, _ = parse_serve_args(["serve", "--served-model-name", "main", "alias"])
     assert config.served_names == ["main", "alias"] and config.served_name == "main"

@@ -142,9 +142,13 @@ def check_scheduler(scheduler: Scheduler) -> None:
         assert request.num_computed_tokens == 0
         assert kv.get_block_ids(request) == []
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    swapped = scheduler.offload.swapped if scheduler.offload is not None else []
+    for request in swapped:  # swap_space: preempted with their computed tokens on the CPU
+        assert request.status == RequestStatus.PREEMPTED and request.num_computed_tokens > 0
+        assert kv.get_block_ids(request) == []
     assert scheduler.get_num_unfinished_requests() == len(scheduler.running) + len(
         scheduler.waiting
-    )
+    ) + len(swapped)
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
