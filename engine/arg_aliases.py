@@ -20,6 +20,9 @@ class Alias:
     """The key the alias stands for; None: refused (kvray has no such setting)."""
     note: str
     """What the alias means here (for a refused alias: why, and what to use)."""
+    kvray_behaviour: bool | None = None
+    """For a refused alias: the value that only asks for what kvray does anyway, accepted
+    (and dropped) so that a guide's command runs as written; any other value is refused."""
 
 
 ALIASES: dict[str, Alias] = {
@@ -46,7 +49,9 @@ ALIASES: dict[str, Alias] = {
     "skip_special_tokens": Alias(
         None,
         "a field of each request (SamplingParams, and the API's request body), true unless "
-        "the request says otherwise; there is no server-wide default: set it per request",
+        "the request says otherwise; the switch (true) is what every request does already "
+        "and is accepted; there is no server-wide false: set it per request",
+        kvray_behaviour=True,
     ),
 }
 
@@ -63,6 +68,9 @@ def resolve_aliases(args: dict[str, Any], keys: Collection[str]) -> dict[str, An
         if alias not in args:
             continue
         if entry.key is None:
+            if entry.kvray_behaviour is not None and _as_bool(args[alias]) is entry.kvray_behaviour:
+                del resolved[alias]
+                continue
             raise ValueError(f"{alias}: {entry.note}")
         if entry.key not in keys:
             continue
@@ -72,3 +80,12 @@ def resolve_aliases(args: dict[str, Any], keys: Collection[str]) -> dict[str, An
             )
         resolved[entry.key] = resolved.pop(alias)
     return resolved
+
+
+def _as_bool(value: Any) -> bool | None:
+    """A flag's or a key's boolean (True, "true", "1", ...); None when it is none."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.lower() in ("true", "1", "yes")
+    return None

@@ -13,8 +13,8 @@ Pass today:
 - the batching keys (max_batch_size is max_num_seqs; max_num_batches and batch_timeout
   refused, naming what to use);
 - the server flags (`kvray serve --gpu-memory-utilization 0.8 --quantization awq
-  --request-timeout 300 --tokenizer-mode slow`), `--skip-special-tokens` refused naming the
-  request field;
+  --request-timeout 300 --tokenizer-mode slow`), `--skip-special-tokens` accepted (every
+  request's default) and `--skip-special-tokens false` refused naming the request field;
 - `OpenAI(base_url=..., timeout=30.0)` and the server's documented 408 past its time limit.
 
 Expected to fail until their feature lands (`xfail(strict=True)`: a pass fails the run, and
@@ -158,8 +158,10 @@ def test_the_server_flags_as_written_reach_the_app_config():
 
 
 def test_skip_special_tokens_is_a_request_field_not_a_server_flag(capsys):
+    config, _ = parse_serve_args(shlex.split("kvray serve --skip-special-tokens")[1:])
+    assert config == parse_serve_args(["serve"])[0]
     with pytest.raises(SystemExit):
-        parse_serve_args(shlex.split("kvray serve --skip-special-tokens")[1:])
+        parse_serve_args(shlex.split("kvray serve --skip-special-tokens false")[1:])
     assert "skip_special_tokens: a field of each request" in capsys.readouterr().err
     assert SamplingParams().skip_special_tokens is True
     assert CompletionRequest(model="m", prompt="p").skip_special_tokens is True

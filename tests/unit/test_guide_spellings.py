@@ -82,10 +82,15 @@ def test_aliases_without_an_equivalent_are_refused_saying_what_to_use(alias, mes
     assert f"{alias}: " in capsys.readouterr().err
 
 
-def test_a_refused_switch_given_bare_is_refused_saying_why(capsys):
+def test_skip_special_tokens_as_a_switch_runs_and_false_is_refused_saying_why(capsys):
+    switched, _ = parse_serve_args(["serve", "--skip-special-tokens"])
+    assert switched == parse_serve_args(["serve"])[0]
+    assert load_app_config({"skip_special_tokens": True}) == load_app_config({})
     with pytest.raises(SystemExit):
-        parse_serve_args(["serve", "--skip-special-tokens"])
+        parse_serve_args(["serve", "--skip-special-tokens", "false"])
     assert "skip_special_tokens: a field of each request" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="set it per request"):
+        EngineArgs(skip_special_tokens=False)
 
 
 def test_an_app_only_alias_is_unknown_to_the_engine():
