@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     aliases = serve.add_argument_group("other names (the guides' spellings of the keys above)")
     for alias, entry in ALIASES.items():
         meaning = f"same as {_flag(entry.key)}" if entry.key else "refused"
-        # A refused one may come as a bare switch (--skip-special-tokens): it is refused
-        # saying why, not for a missing value.
+        if entry.kvray_behaviour is not None:
+            meaning = f"{str(entry.kvray_behaviour).lower()} accepted (no change), else refused"
+        # A refused one may come as a bare switch (--skip-special-tokens): it is accepted or
+        # refused saying why, not for a missing value.
         bare = {"nargs": "?", "const": "true"} if entry.key is None else {}
         aliases.add_argument(
             _flag(alias), dest=alias, metavar="VALUE", help=f"{meaning}: {entry.note}", **bare
