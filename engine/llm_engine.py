@@ -184,11 +184,14 @@ class LLMEngine:
         ]
         parent = self.output_processor.new_parent(request_id, taken, requests, arrival_time)
         spec = taken.sampling_params.structured_output
+        first_id = requests[0].request_id
 
         def start(request: Request) -> None:
             if taken.grammar is not None:
                 self.structured.add(request.request_id, taken.grammar, spec.starts_after_token_ids)
-            self.scheduler.add_request(request)
+            # The other samples fork the first one's prompt blocks (engine/core/scheduler.py).
+            fork_of = None if request.request_id == first_id else first_id
+            self.scheduler.add_request(request, fork_of=fork_of)
 
         self.output_processor.add_request(parent, start)
         return self.output_processor.make_output(parent)

@@ -46,6 +46,9 @@ class SchedulerOutput:
     grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
     """req_id -> int32 words of the tokens its structured output allows next (bit i of word
     w: token 32w + i); requests without one sample freely."""
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks every worker copies before the forward: the
+    copy-on-write of a block forked requests shared (engine/core/kv_cache.py)."""
 
     @property
     def is_empty(self) -> bool:

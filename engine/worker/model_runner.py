@@ -27,6 +27,7 @@ from engine.forward_context import forward_context
 from engine.generation_config import config_eos_token_id
 from engine.layers.attention import attention_layers, bind_kv_caches
 from engine.layers.quantization import build_quant_config
+from engine.worker.block_copy import copy_blocks
 from engine.worker.cuda_graphs import DecodeCudaGraphs
 from engine.worker.host_staging import HostToDevice
 from engine.worker.kv_memory import (
@@ -189,6 +190,8 @@ class ModelRunner:
     def execute_model_async(self, out: SchedulerOutput) -> PendingRunnerOutput:
         """Launch the step and return at once; `.result()` waits for the sampled tokens."""
         self.requests.update(out)
+        if out.blocks_to_copy:
+            copy_blocks(self.kv_caches, out.blocks_to_copy)
         if out.is_empty:
             return PendingRunnerOutput.done(ModelRunnerOutput())
         batch = self.prepare_inputs(out)
