@@ -11,6 +11,7 @@ from tests.support.tiers import mark_folder, ray_modules
 # anew, engine processes.
 SLOW = ray_modules("engine") | {
     "test_async_engine.py",
+    "test_beam_search.py",  # transformers' beam search of the bundled model as the reference
     "test_forks.py",
     "test_llm_e2e.py",
     "test_piecewise_graphs.py",

@@ -10,7 +10,9 @@ from engine import LLM, SamplingParams
 from engine.core.request import RequestStatus
 from engine.worker.block_copy import copy_blocks, copy_blocks_ref
 
-PROMPT = "The history of the city begins with a small settlement on the river, where traders met every"
+PROMPT = (
+    "The history of the city begins with a small settlement on the river, where traders met every"
+)
 SEED = 11
 MAX_TOKENS = 6
 
@@ -112,3 +114,41 @@ def test_block_copy_on_cuda_matches_the_reference(dtype):
     copy_blocks_ref(expected, pairs)
     for got, want in zip(caches, expected, strict=True):
         assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+def test_beams_fork_each_other_and_free_what_they_leave(llm_without_prefix_caching, bundled_llm):
+    from engine.beam_search import BeamSearchParams
+
+    llm = llm_without_prefix_caching
+    engine = llm.engine
+    kv = engine.scheduler.kv_cache_manager
+    params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS).to_sampling_params()
+    engine.add_request("beams", PROMPT, params)
+    shared, final = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = output
+        kv.check_invariants()
+        shared.append(kv.num_shared_blocks())
+    assert kv.usage == 0
+    # The prompt's full block is computed once and held by every beam.
+    num_prompt = len(engine.encode(PROMPT))
+    assert max(shared) >= num_prompt // kv.block_size >= 1
+    # With prefix caching on, the same search.
+    (cached,) = bundled_llm.generate(PROMPT, params)
+    assert [o.token_ids for o in final.outputs] == [o.token_ids for o in cached.outputs]
+    assert len(final.outputs) == 4 and final.finished
+
+
+def test_aborting_a_beam_search_frees_every_beam(llm_without_prefix_caching):
+    engine = llm_without_prefix_caching.engine
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=MAX_TOKENS)
+    engine.add_request("beams-aborted", PROMPT, params)
+    for _ in range(3):
+        assert not engine.step()
+    engine.abort_request(["beams-aborted"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv = engine.scheduler.kv_cache_manager
+    kv.check_invariants()
+    assert kv.usage == 0 and not engine.beam_searches.searches
