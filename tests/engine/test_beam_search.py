@@ -94,3 +94,16 @@ def test_generate_with_use_beam_search_runs_the_search_and_names_what_it_ignores
         ids = o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids
         assert o.text == tok.decode(ids, skip_special_tokens=True)
     assert not bundled_llm.engine.has_unfinished_requests()
+
+
+def test_a_beam_search_output_crosses_from_the_engine_process_with_its_logprob_sums():
+    from engine.core_process import OutputDecoder, OutputEncoder
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    outputs = [
+        CompletionOutput(i, f"text {i}", [5, 6 + i], "length", cumulative_logprob=-1.5 - i)
+        for i in range(2)
+    ]
+    final = RequestOutput("b", "p", [1, 2], outputs, finished=True)
+    (got,) = OutputDecoder().decode(OutputEncoder().encode([final]))
+    assert got == final
