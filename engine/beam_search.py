@@ -36,7 +36,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.beam_group import BeamGroup, BeamOffer, EarlyStopping
+from engine.core.beam_group import BeamGroup, BeamOffer, EarlyStopping, normalized_score
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput
@@ -324,7 +324,7 @@ def to_beam_search_output(
                 tokens=tokens,
                 text="" if tokenizer is None else tokenizer.decode(text_ids),
                 cum_logprob=c.cumulative_logprob,
-                score=c.cumulative_logprob / len(c.token_ids) ** length_penalty,
+                score=normalized_score(c.cumulative_logprob, len(c.token_ids), length_penalty),
                 finish_reason=c.finish_reason,
                 num_prompt_tokens=len(prompt_ids),
             )

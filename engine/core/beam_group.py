@@ -110,7 +110,7 @@ class BeamGroup:
                 if len(running) < self.width:
                     running.append(Continuation(i, token, cum_logprob))
             elif rank < self.width:
-                score = cum_logprob / length**self.length_penalty
+                score = normalized_score(cum_logprob, length, self.length_penalty)
                 tokens = [*offers[i].token_ids, token]
                 ending.append(Hypothesis(tokens, cum_logprob, score, ends_by_eos))
         if self._improvable and not self._full_and_early():
@@ -130,4 +130,13 @@ class BeamGroup:
             length = self.max_tokens  # its logprob can only fall; a longer length lifts it
         else:
             length = self.num_generated
-        return cum_logprob / length**self.length_penalty
+        return normalized_score(cum_logprob, length, self.length_penalty)
+
+
+def normalized_score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """cum_logprob / length ** length_penalty; a length factor past float's range (a huge
+    penalty) scores 0 rather than raising."""
+    try:
+        return cum_logprob / length**length_penalty
+    except OverflowError:
+        return cum_logprob * 0.0

@@ -102,3 +102,10 @@ def test_bad_settings_are_named():
         BeamGroup(2, 4, frozenset(), early_stopping=1)
     with pytest.raises(ValueError, match="width"):
         BeamGroup(0, 4, frozenset())
+
+
+def test_a_huge_length_penalty_scores_instead_of_overflowing():
+    group = BeamGroup(1, max_tokens=3, eos_token_ids=frozenset({EOS}), length_penalty=1e308)
+    group.select([offer([], 0.0, {5: 0.9, 6: 0.1})])
+    group.select([offer([5], lp(0.9), {EOS: 0.9, 6: 0.1})])
+    assert group.finished[0].score == 0.0 and group.done
