@@ -101,8 +101,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         leader = None if fork_of is None else self.requests.get(fork_of)
         if leader is not None and leader.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
-            if leader.prompt_token_ids != request.prompt_token_ids:
-                raise ValueError(f"request {request.request_id!r} forks a different prompt")
+            same = (leader.prompt_token_ids, leader.cache_salt) == (
+                request.prompt_token_ids,
+                request.cache_salt,
+            )
+            if not same:
+                raise ValueError(f"request {request.request_id!r} forks another prompt or salt")
             self._awaiting_fork.setdefault(fork_of, []).append(request)
         else:
             self._add_waiting(request)
