@@ -2,8 +2,8 @@
 `best_of`, returning the `n` best), with `length_penalty` and `early_stopping`.
 
 A beam search ranks the model's own logprobs: a field only sampling reads, set to anything
-but its neutral value, is a 400 naming it (as vLLM's beam search refused temperature,
-top_p and top_k), and so is `stream` (the sequences are known only at the end). The
+but its neutral value, is a 400 naming it (as vLLM's SamplingParams with
+use_beam_search refused temperature, top_p and top_k), and so is `stream` (the sequences are known only at the end). The
 engine's side is engine/beam_search.py (not imported here: it loads torch).
 """
 
