@@ -871,3 +871,22 @@ def test_random_workload_of_forked_samples_matches_unscheduled_generation(seed):
             assert sample.output_token_ids == want
     assert scheduler.kv_cache_manager.usage == 0
     assert scheduler.num_preemptions > 0  # forks run short of blocks and get preempted
+
+
+def test_preempting_a_forked_sample_keeps_the_blocks_the_others_hold():
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    runner = FakeRunner(sample_of_index)
+    samples = add_samples(scheduler, list(range(20, 31)), 3, max_tokens=8)
+    step(scheduler, runner)
+    step(scheduler, runner)
+    kv = scheduler.kv_cache_manager
+    shared = kv.get_block_ids(samples[0])[:2]
+    assert [kv.block_pool.blocks[b].ref_cnt for b in shared] == [3, 3]
+    scheduler._preempt(samples[2])  # as the scheduler does when blocks run out
+    check_scheduler(scheduler)
+    assert [kv.block_pool.blocks[b].ref_cnt for b in shared] == [2, 2]
+    assert samples[2] in scheduler.waiting and kv.get_block_ids(samples[2]) == []
+    run_to_completion(scheduler, runner)
+    for sample in samples:
+        assert sample.output_token_ids == reference_sample(sample, 8)
+    assert kv.usage == 0
