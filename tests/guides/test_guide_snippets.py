@@ -15,11 +15,13 @@ Pass today:
 - the server flags (`kvray serve --gpu-memory-utilization 0.8 --quantization awq
   --request-timeout 300 --tokenizer-mode slow`), `--skip-special-tokens` accepted (every
   request's default) and `--skip-special-tokens false` refused naming the request field;
-- `OpenAI(base_url=..., timeout=30.0)` and the server's documented 408 past its time limit.
+- `OpenAI(base_url=..., timeout=30.0)` and the server's documented 408 past its time limit;
+- `SamplingParams(temperature=0.7, top_p=0.9, length_penalty=1.0, use_beam_search=True)`: a
+  beam search of width n, the fields it ignores named in a warning.
 
 Expected to fail until their feature lands (`xfail(strict=True)`: a pass fails the run, and
-the mark must go): `llm.load_model(..., weights_only=True)`,
-`SamplingParams(..., use_beam_search=True)`, the gRPC `InferenceService.Generate`.
+the mark must go): `llm.load_model(..., weights_only=True)`, the gRPC
+`InferenceService.Generate`.
 """
 
 from __future__ import annotations
@@ -213,13 +215,17 @@ def test_load_model_weights_only(llm):
     assert llm.generate([PROMPT], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
-@pytest.mark.xfail(
-    strict=True, raises=TypeError, reason="needs beam search (SamplingParams.use_beam_search)"
-)
-def test_beam_search(llm):
-    params = SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=MAX_TOKENS)
-    outputs = llm.generate([PROMPT], params)
-    beams = [c.token_ids for c in outputs[0].outputs]
+def test_beam_search(llm, caplog):
+    # As the guide writes it: a beam search of width n (1 here), the sampling fields it
+    # ignores named in a warning.
+    params = SamplingParams(temperature=0.7, top_p=0.9, length_penalty=1.0, use_beam_search=True)
+    with caplog.at_level("WARNING"):
+        guided = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    assert "ignores temperature, top_p" in caplog.text
+    greedy = SamplingParams(temperature=0, max_tokens=params.max_tokens)
+    assert guided == llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
+    wide = SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=MAX_TOKENS)
+    beams = [c.token_ids for c in llm.generate([PROMPT], wide)[0].outputs]
     assert len(beams) == 4 and len({tuple(b) for b in beams}) == 4
 
 
