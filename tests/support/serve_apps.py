@@ -16,16 +16,18 @@ from typing import Any
 _state: dict[str, Any] = {}
 
 
-def start_ray(env: dict[str, str] | None = None) -> str:
+def start_ray(env: dict[str, str] | None = None, grpc: bool = False) -> str:
     """Start Ray + Serve once per session; returns the HTTP base URL.
 
     `env`: variables for the Ray processes (Serve's controller, proxies and HAProxy read
     theirs at start), a variable already set in this process wins; a module asking for
-    another `env` than the running Ray's restarts Ray.
+    another `env` than the running Ray's restarts Ray. `grpc`: Serve's proxy also serves
+    kvray's gRPC API, on a free port (`grpc_port()`); Serve takes it only at start, so a
+    module asking for it from a Ray started without restarts Ray.
     """
     env = env or {}
     if "url" in _state:
-        if _state["env"] == env:
+        if _state["env"] == env and (_state["grpc_port"] or not grpc):
             return _state["url"]
         stop_ray()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -42,13 +44,28 @@ def start_ray(env: dict[str, str] | None = None) -> str:
     import ray
     from ray import serve
 
+    from cluster.grpc_api.serve_setup import grpc_options
+
     ray.init(num_cpus=2, address="local", include_dashboard=False, object_store_memory=1 << 30)
+    port = _free_port()
+    grpc_port = _free_port() if grpc else None
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        grpc_options=grpc_options(grpc_port) if grpc else None,
+    )
+    _state.update(url=f"http://127.0.0.1:{port}", env=env, environ=environ, grpc_port=grpc_port)
+    return _state["url"]
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    _state.update(url=f"http://127.0.0.1:{port}", env=env, environ=environ)
-    return _state["url"]
+        return s.getsockname()[1]
+
+
+def grpc_port() -> int:
+    """The gRPC port of the session's Serve (started with `grpc=True`)."""
+    return _state["grpc_port"]
 
 
 def stop_ray() -> None:
@@ -63,23 +80,29 @@ def stop_ray() -> None:
     _state.clear()
 
 
-def run_app(name: str, args: dict[str, Any], env: dict[str, str] | None = None) -> str:
+def run_app(
+    name: str, args: dict[str, Any], env: dict[str, str] | None = None, grpc: bool = False
+) -> str:
     """Deploy `serve_app:build_app(args)` at / of a Ray started with `env`; returns the
-    base URL."""
+    base URL. `grpc`: also over gRPC (the app's grpc_port is the session's)."""
     from ray import serve
 
     from serve_app import build_app
 
-    url = start_ray(env)
+    url = start_ray(env, grpc)
+    if grpc:
+        args = {**args, "grpc_port": grpc_port()}
     serve.run(build_app(args), name=name, route_prefix="/")
     return url
 
 
 @contextlib.contextmanager
-def served_app(name: str, args: dict[str, Any], env: dict[str, str] | None = None) -> Iterator[str]:
+def served_app(
+    name: str, args: dict[str, Any], env: dict[str, str] | None = None, grpc: bool = False
+) -> Iterator[str]:
     """The app of `args` deployed as `name` (run_app) for the block: its base URL. The app
     is deleted when the block ends, so the next module's app gets the route."""
-    url = run_app(name, args, env)
+    url = run_app(name, args, env, grpc)
     try:
         yield url
     finally:
