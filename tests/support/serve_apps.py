@@ -16,18 +16,17 @@ from typing import Any
 _state: dict[str, Any] = {}
 
 
-def start_ray(env: dict[str, str] | None = None, grpc: bool = False) -> str:
-    """Start Ray + Serve once per session; returns the HTTP base URL.
+def start_ray(env: dict[str, str] | None = None) -> str:
+    """Start Ray + Serve once per session; returns the HTTP base URL. Serve's proxy also
+    serves kvray's gRPC API, on a free port (`grpc_port()`).
 
     `env`: variables for the Ray processes (Serve's controller, proxies and HAProxy read
     theirs at start), a variable already set in this process wins; a module asking for
-    another `env` than the running Ray's restarts Ray. `grpc`: Serve's proxy also serves
-    kvray's gRPC API, on a free port (`grpc_port()`); Serve takes it only at start, so a
-    module asking for it from a Ray started without restarts Ray.
+    another `env` than the running Ray's restarts Ray.
     """
     env = env or {}
     if "url" in _state:
-        if _state["env"] == env and (_state["grpc_port"] or not grpc):
+        if _state["env"] == env:
             return _state["url"]
         stop_ray()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -48,10 +47,9 @@ def start_ray(env: dict[str, str] | None = None, grpc: bool = False) -> str:
 
     ray.init(num_cpus=2, address="local", include_dashboard=False, object_store_memory=1 << 30)
     port = _free_port()
-    grpc_port = _free_port() if grpc else None
+    grpc_port = _free_port()
     serve.start(
-        http_options={"host": "127.0.0.1", "port": port},
-        grpc_options=grpc_options(grpc_port) if grpc else None,
+        http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(grpc_port)
     )
     _state.update(url=f"http://127.0.0.1:{port}", env=env, environ=environ, grpc_port=grpc_port)
     return _state["url"]
@@ -64,7 +62,7 @@ def _free_port() -> int:
 
 
 def grpc_port() -> int:
-    """The gRPC port of the session's Serve (started with `grpc=True`)."""
+    """The gRPC port of the session's Serve."""
     return _state["grpc_port"]
 
 
@@ -84,12 +82,13 @@ def run_app(
     name: str, args: dict[str, Any], env: dict[str, str] | None = None, grpc: bool = False
 ) -> str:
     """Deploy `serve_app:build_app(args)` at / of a Ray started with `env`; returns the
-    base URL. `grpc`: also over gRPC (the app's grpc_port is the session's)."""
+    base URL. `grpc`: the app's grpc_port is the session's (its build checks that Serve
+    serves kvray's gRPC API there)."""
     from ray import serve
 
     from serve_app import build_app
 
-    url = start_ray(env, grpc)
+    url = start_ray(env)
     if grpc:
         args = {**args, "grpc_port": grpc_port()}
     serve.run(build_app(args), name=name, route_prefix="/")
@@ -111,7 +110,11 @@ def served_app(
 
 @contextlib.contextmanager
 def served_app_beside_offline_llm(
-    name: str, args: dict[str, Any], env: dict[str, str] | None = None, **llm_args: Any
+    name: str,
+    args: dict[str, Any],
+    env: dict[str, str] | None = None,
+    grpc: bool = False,
+    **llm_args: Any,
 ) -> Iterator[tuple[str, Any]]:
     """served_app, while an offline LLM of the bundled model (the app's max_model_len
     unless `llm_args` say otherwise) loads in a thread: (base URL, LLM), the reference the
@@ -122,7 +125,7 @@ def served_app_beside_offline_llm(
         llm_args.setdefault("max_model_len", args["max_model_len"])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         offline = pool.submit(LLM, **llm_args)
-        with served_app(name, args, env) as url:
+        with served_app(name, args, env, grpc) as url:
             yield url, offline.result()
 
 

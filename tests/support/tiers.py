@@ -31,7 +31,6 @@ RAY_MODULES = frozenset(
         "serve/test_serve_autoscale.py",
         "serve/test_serve_colocated.py",
         "serve/test_serve_direct_ingress.py",
-        "serve/test_serve_grpc.py",
         "serve/test_serve_http_surface.py",
         "serve/test_serve_multi_model.py",
         "serve/test_serve_openai.py",
