@@ -31,10 +31,14 @@ def ensure_serve_grpc(port: int) -> None:
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    client = _get_global_client(raise_if_no_controller_running=False)
+    # Not connected to Ray (`serve run serve_app:build_app ...` builds the app first): no
+    # Serve instance is known, and asking for one would connect to Ray without a namespace.
+    client = None
+    if ray.is_initialized():
+        client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
         if not ray.is_initialized():
-            ray.init(namespace="serve")
+            ray.init(namespace="serve")  # RAY_ADDRESS, as `serve run` reads it, or a local Ray
         serve.start(grpc_options=grpc_options(port))
         return
     running = ray.get(client._controller.get_grpc_config.remote())

@@ -571,6 +571,14 @@ def test_a_cancelled_stream_frees_its_kv_within_2_s(stub):
     assert elapsed < 2
 
 
+def test_a_unary_call_past_its_client_deadline_frees_kv(stub):
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Generate(_grpc_request({"prompt": PROMPT, **LONG}), metadata=_key(), timeout=1)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _, stats = wait_until_idle(APP, timeout_s=2)
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
+
+
 def test_the_request_time_limit_is_a_deadline_exceeded_that_frees_kv(url, stub):
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
