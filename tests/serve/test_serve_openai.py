@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -627,3 +629,15 @@ def test_a_stream_past_its_time_limit_ends_deadline_exceeded(stub):
     assert "request_timeout_s" in error.value.details()
     _, stats = wait_until_idle(APP, timeout_s=2)
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0, stats
+
+
+def test_the_serving_page_s_grpc_client_example_runs(served, capsys):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.DOTALL) if "grpc" in b]
+    example = example.replace("127.0.0.1:9000", f"127.0.0.1:{grpc_port()}")
+    names: dict = {}
+    exec(compile(example.replace("my-key", "key-alice"), "serving.md", "exec"), names)
+    reply, last = names["reply"], names["message"]
+    assert reply.choices[0].text and 0 < reply.usage.completion_tokens <= 8
+    assert 0 < last.usage.completion_tokens <= 32  # the stream's last message: its usage
+    assert capsys.readouterr().out.startswith(reply.choices[0].text)
