@@ -1,4 +1,6 @@
-"""The HTTP side of a kvray app: `OpenAIIngress`, a Serve deployment of OpenAI's routes.
+"""The HTTP side of a kvray app: `OpenAIIngress`, a Serve deployment of OpenAI's routes,
+and of the same requests over gRPC (its methods of cluster/grpc_api/methods.py run
+`run_generation` and `run_tokenizer_call`, the routes' own request path).
 
 The ingress owns everything about HTTP: body size, API keys, tenants and their limits,
 request validation, turning the servers' replies into responses. It picks a model's
