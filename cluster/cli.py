@@ -137,12 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from cluster.deployments import build_openai_app
+    from cluster.grpc_api.serve_setup import grpc_options
     from cluster.metrics import metrics_notice
 
     ray.init(address=args.address)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    grpc = grpc_options(config.grpc_port) if config.grpc_port else None
+    serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc)
     url = f"http://{args.host}:{args.port}"
     print(f"kvray: OpenAI's API at {url}/v1; {metrics_notice(url)}", flush=True)
+    if grpc is not None:
+        print(f"kvray: gRPC (kvray.v1.InferenceService) on port {config.grpc_port}", flush=True)
     try:
         serve.run(build_openai_app(config), name=args.name, route_prefix="/", blocking=True)
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ from ray import serve
 
 from cluster.app_config import AppConfig, llm_server_name
 from cluster.engine_host import LLMServer
+from cluster.grpc_api.serve_setup import ensure_serve_grpc
 from cluster.ingress import OpenAIIngress
 from cluster.local_server import colocated_capacity
 from cluster.placement import placement_strategy, rank_bundles, replica_cpus_per_rank
@@ -35,6 +36,8 @@ def build_openai_app(config: AppConfig) -> Any:
     """The Serve application: ingress -> LLMServer, one per model (+ TenantLimiter when
     tenants have limits); with colocate_ingress the ingress replicas take LLMServer's
     options and hold the engine."""
+    if config.grpc_port:
+        ensure_serve_grpc(config.grpc_port)
     config = config.with_resolved_device()
     limiter = None
     if config.has_tenant_limits:

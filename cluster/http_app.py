@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.server_calls import GenerationReplies
 from engine.api.errors import APIError
 from engine.observability import hop_trace
 
@@ -157,3 +158,13 @@ class HotRoutes:
         if root and path.startswith(root):
             path = path[len(root) :]
         return self.handlers.get(path)
+
+
+HTTP_REPLIES = GenerationReplies(
+    error=error_response,
+    whole=JSONResponse,
+    stream=lambda stream, on_close: ClosingStreamingResponse(
+        stream.events(), media_type="text/event-stream", on_close=on_close
+    ),
+)
+"""A generation request's answers over HTTP: OpenAI's error body, JSON, SSE."""

@@ -1,4 +1,6 @@
-"""The HTTP side of a kvray app: `OpenAIIngress`, a Serve deployment of OpenAI's routes.
+"""The HTTP side of a kvray app: `OpenAIIngress`, a Serve deployment of OpenAI's routes,
+and of the same requests over gRPC (its methods of cluster/grpc_api/methods.py run
+`run_generation` and `run_tokenizer_call`, the routes' own request path).
 
 The ingress owns everything about HTTP: body size, API keys, tenants and their limits,
 request validation, turning the servers' replies into responses. It picks a model's
@@ -22,6 +24,7 @@ import importlib.metadata
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -33,8 +36,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
 from cluster.app_config import AppConfig
+from cluster.grpc_api.methods import GrpcMethods
 from cluster.http_app import (
-    ClosingStreamingResponse,
+    HTTP_REPLIES,
     HotRoutes,
     build_fastapi_app,
     error_response,
@@ -50,7 +54,7 @@ from cluster.replica_watch import (
     replica_lost,
 )
 from cluster.request_bodies import REQUEST_MODELS, parse_body, publish_request_bodies, read_body
-from cluster.server_calls import ServerStream, first_reply
+from cluster.server_calls import GenerationReplies, ServerStream, first_reply
 from cluster.tenants import TenantResolver
 from engine.api.errors import APIError, quoted_names
 from engine.observability.gc_pauses import tune_for_serving
@@ -80,7 +84,7 @@ def client_request_id(headers: Any) -> str | None:
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
-class OpenAIIngress:
+class OpenAIIngress(GrpcMethods):
     async def __init__(
         self,
         server: DeploymentHandle | dict[str, DeploymentHandle] | None,
@@ -157,6 +161,24 @@ class OpenAIIngress:
         """The engine's counters of `model` (tests and tools; not an HTTP route)."""
         return await self.router.server(model).stats.remote()
 
+    def unhealthy(self, down: list[str]) -> APIError:
+        return APIError(
+            f"no healthy replica of {quoted_names(down)}",
+            503,
+            code="unhealthy",
+            retry_after_s=RETRY_AFTER_S,
+        )
+
+    async def down_models(self) -> list[str]:
+        """The models without a healthy replica: at once those known to have none up,
+        else those whose server does not answer healthy within a second."""
+        watches = list(self.watches.values())
+        down = [w.model for w in watches if not w.up]
+        if not down:
+            answers = await asyncio.gather(*(w.probe() for w in watches))
+            down = [w.model for w, healthy in zip(watches, answers) if not healthy]
+        return down
+
     def check_health(self) -> None:
         if self.host is not None:
             self.host.check_health()
@@ -168,20 +190,9 @@ class OpenAIIngress:
     async def health(self) -> Response:
         """200 once every model's server answers healthy within a second; 503 at once
         while a model has no replica known to be up."""
-        watches = list(self.watches.values())
-        down = [w.model for w in watches if not w.up]
-        if not down:
-            answers = await asyncio.gather(*(w.probe() for w in watches))
-            down = [w.model for w, healthy in zip(watches, answers) if not healthy]
+        down = await self.down_models()
         if down:
-            return error_response(
-                APIError(
-                    f"no healthy replica of {quoted_names(down)}",
-                    503,
-                    code="unhealthy",
-                    retry_after_s=RETRY_AFTER_S,
-                )
-            )
+            return error_response(self.unhealthy(down))
         return JSONResponse({"status": "healthy", "models": self.router.names})
 
     async def models(self, request: Request) -> JSONResponse:
@@ -220,34 +231,58 @@ class OpenAIIngress:
         return await self._tokenizer_call(request, "detokenize")
 
     async def _tokenizer_call(self, request: Request, kind: str) -> Response:
-        """vLLM's /tokenize and /detokenize: the server's tokenizer, no engine step."""
         try:
-            self.resolver.resolve(request.headers)
-            parsed = await self._parse_body(request, kind)
-            model = self.router.name_for(parsed.model)
-            await self._wait_for_replica(model)
-            try:
-                result = await getattr(self.router.servers[model], kind).remote(parsed)
-            except RayActorError as e:
-                self.watches[model].saw_loss()
-                raise replica_lost(model, e) from None
-            if isinstance(result, APIError):
-                raise result
+            result = await self.run_tokenizer_call(
+                request.headers, lambda: self._parse_body(request, kind), kind
+            )
         except APIError as e:
             return error_response(e)
         except ClientDisconnect:
             return Response(status_code=CLIENT_GONE)
         return JSONResponse(result)
 
+    async def run_tokenizer_call(
+        self, headers: Mapping[str, str], parse: Callable[[], Awaitable[Any]], kind: str
+    ) -> dict:
+        """vLLM's /tokenize and /detokenize: the server's tokenizer, no engine step; the
+        answer's JSON, or APIError. `parse()` gives the request's model (HTTP or gRPC)."""
+        self.resolver.resolve(headers)
+        parsed = await parse()
+        model = self.router.name_for(parsed.model)
+        await self._wait_for_replica(model)
+        try:
+            result = await getattr(self.router.servers[model], kind).remote(parsed)
+        except RayActorError as e:
+            self.watches[model].saw_loss()
+            raise replica_lost(model, e) from None
+        if isinstance(result, APIError):
+            raise result
+        return result
+
     async def _generate(self, request: Request, kind: str) -> Response:
+        return await self.run_generation(
+            request.headers, lambda: self._parse_body(request, kind), kind, HTTP_REPLIES
+        )
+
+    async def run_generation(
+        self,
+        headers: Mapping[str, str],
+        parse: Callable[[], Awaitable[Any]],
+        kind: str,
+        replies: GenerationReplies,
+    ) -> Any:
+        """A completion or chat completion however it came (HTTP, gRPC): tenant, limits,
+        time limit, the model's server, accounting. `parse()` gives the request's model
+        (APIError naming the field if it is not one); `replies` turn the outcome into the
+        protocol's answer."""
         received = time.time()
         lease = None
         tenant_name = "unauthenticated"
         model_name = ""
         try:
-            tenant = self.resolver.resolve(request.headers)
+            tenant = self.resolver.resolve(headers)
             tenant_name = tenant.name
-            parsed = await self._parse_body(request, kind)
+            parsed = await parse()
             hop("parsed")
             model_name = self.router.name_for(parsed.model)
             server = self.router.stream(model_name)
@@ -255,20 +290,20 @@ class OpenAIIngress:
             lease = await self._acquire(tenant.name)
             timeout = tenant.config.time_limit_s(self.config.request_timeout_s)
             ctx = self.request_context_type(
-                request_id=client_request_id(request.headers),
+                request_id=client_request_id(headers),
                 priority=tenant.config.priority,
                 cache_salt=tenant.cache_salt,
                 deadline=None if timeout is None else received + timeout,
             )
             response = await self._call_server(
-                server, kind, parsed, ctx, lease, model_name, tenant.name
+                server, kind, parsed, ctx, lease, model_name, tenant.name, replies
             )
         except APIError as e:
             self._release(lease, 0)
             self.tenant_metrics.request_done(model_name, tenant_name, e.status_code)
             if e.status_code == 429:
                 self.tenant_metrics.rejected(model_name, tenant_name, e.code or "rate_limited")
-            return error_response(e)
+            return replies.error(e)
         except ClientDisconnect:
             # Gone while its body was read: nothing was started, no one to answer.
             self.tenant_metrics.request_done(model_name, tenant_name, CLIENT_GONE)
@@ -280,7 +315,7 @@ class OpenAIIngress:
             gone = isinstance(e, (TaskCancelledError, asyncio.CancelledError))
             self.tenant_metrics.request_done(model_name, tenant_name, CLIENT_GONE if gone else 500)
             raise
-        self.tenant_metrics.request_done(model_name, tenant_name, response.status_code)
+        self.tenant_metrics.request_done(model_name, tenant_name, 200)
         return response
 
     async def _wait_for_replica(self, model: str) -> None:
@@ -324,15 +359,16 @@ class OpenAIIngress:
         lease: str | None,
         model: str,
         tenant: str,
-    ) -> Response:
+        replies: GenerationReplies,
+    ) -> Any:
         """`server`: the streaming handle of the request's model."""
         watch = self.watches[model]
-        replies, first = await first_reply(server, watch, kind, parsed, ctx)
+        first_items, first = await first_reply(server, watch, kind, parsed, ctx)
         if isinstance(first, APIError):
-            cancel_call(replies)
+            cancel_call(first_items)
             raise first
         if isinstance(first, dict):
-            cancel_call(replies)
+            cancel_call(first_items)
             usage = first.get("usage", {})
             self._charge(
                 lease,
@@ -341,15 +377,11 @@ class OpenAIIngress:
                 usage.get("prompt_tokens", 0),
                 usage.get("completion_tokens", 0),
             )
-            return JSONResponse(first)
-        stream = ServerStream(replies, first, watch)
-        # From here the response owns the slot: it gives it back when the stream ends,
-        # however it ends (also when the client leaves before the first byte is sent).
-        return ClosingStreamingResponse(
-            stream.events(),
-            media_type="text/event-stream",
-            on_close=lambda: self._charge(lease, model, tenant, *stream.close()),
-        )
+            return replies.whole(first)
+        stream = ServerStream(first_items, first, watch)
+        # From here the answer owns the slot: it gives it back when the stream ends,
+        # however it ends (also when the client leaves before the first item is sent).
+        return replies.stream(stream, lambda: self._charge(lease, model, tenant, *stream.close()))
 
     def _charge(
         self, lease: str | None, model: str, tenant: str, prompt_tokens: int, completion_tokens: int

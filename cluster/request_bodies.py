@@ -34,9 +34,13 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
+def body_too_large(limit: int) -> APIError:
+    return APIError(f"request body is larger than {limit} bytes", 413)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request's body; APIError 413 once it passes `limit` bytes (or says it will)."""
-    too_large = APIError(f"request body is larger than {limit} bytes", 413)
+    too_large = body_too_large(limit)
     length = request.headers.get("content-length")
     # isdecimal() alone passes non-ASCII digits that int() may refuse ("²").
     if length is not None and length.isascii() and length.isdecimal() and int(length) > limit:

@@ -72,6 +72,11 @@ class ServeOptions(BaseModel):
     """While no replica of a model is up (all died; Serve is starting new ones), a request
     waits this long for one, then gets 503 with Retry-After; none/null: it waits as long
     as it takes. Models with min_replicas 0 always wait (a request starts their replica)."""
+    grpc_port: int | None = Field(default=None, ge=0, le=65535)
+    """kvray's gRPC API (kvray.v1.InferenceService, cluster/grpc_api/inference.proto) on
+    this port of Serve's proxies; none or 0: off. Serve takes it when it starts: `kvray
+    serve` and an app built while no Serve instance runs start Serve with it, an app built
+    on a running instance checks that it serves the API on this port."""
     max_request_body_bytes: int = Field(default=8 << 20, gt=0)
     """Larger request bodies get 413 before they are read."""
     max_completion_prompts: int = Field(default=1024, gt=0)

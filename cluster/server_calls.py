@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError
@@ -23,6 +25,19 @@ from engine.api.responses import UsageInfo
 
 if TYPE_CHECKING:
     from engine.api.serving import RequestContext
+
+
+@dataclass(frozen=True)
+class GenerationReplies:
+    """How a front end (HTTP, gRPC) answers a generation request the ingress has run."""
+
+    error: Callable[[APIError], Any]
+    """An APIError raised before the answer started (its status, message, Retry-After)."""
+    whole: Callable[[dict], Any]
+    """A whole response's JSON."""
+    stream: Callable[[ServerStream, Callable[[], None]], Any]
+    """(the server's stream, on_close): the answer must run on_close once it has ended,
+    however it ended: it aborts the server's call if still running and charges the tenant."""
 
 
 async def first_reply(

@@ -522,3 +522,27 @@ def test_the_quantization_flag_and_key_reach_the_engine_arguments():
     assert engine_args(config).quantization == "fp8"
     assert engine_args(load_app_config({"quantization": "awq"})).quantization == "awq"
     assert engine_args(load_app_config({})).quantization == "auto"
+
+
+def test_kvray_serve_grpc_port_starts_serve_with_the_grpc_api(monkeypatch, capsys):
+    import ray
+    from ray import serve
+
+    import cluster.deployments
+    import cluster.topology
+    from cluster.cli import main
+    from cluster.grpc_api.serve_setup import grpc_options
+
+    started = {}
+    monkeypatch.setattr(cluster.topology, "use_serve_fast_path", lambda: None)
+    monkeypatch.setattr(ray, "init", lambda **_: None)
+    monkeypatch.setattr(serve, "start", lambda **options: started.update(options))
+    monkeypatch.setattr(serve, "run", lambda *_, **__: None)
+    monkeypatch.setattr(cluster.deployments, "build_openai_app", lambda config: None)
+    assert main(["serve", "--grpc-port", "9100"]) == 0
+    assert started["grpc_options"] == grpc_options(9100)
+    assert "gRPC (kvray.v1.InferenceService) on port 9100" in capsys.readouterr().out
+    assert main(["serve"]) == 0
+    assert started["grpc_options"] is None
+    with pytest.raises(SystemExit):
+        parse_serve_args(["serve", "--grpc-port", "70000"])

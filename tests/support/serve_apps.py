@@ -17,7 +17,8 @@ _state: dict[str, Any] = {}
 
 
 def start_ray(env: dict[str, str] | None = None) -> str:
-    """Start Ray + Serve once per session; returns the HTTP base URL.
+    """Start Ray + Serve once per session; returns the HTTP base URL. Serve's proxy also
+    serves kvray's gRPC API, on a free port (`grpc_port()`).
 
     `env`: variables for the Ray processes (Serve's controller, proxies and HAProxy read
     theirs at start), a variable already set in this process wins; a module asking for
@@ -42,13 +43,27 @@ def start_ray(env: dict[str, str] | None = None) -> str:
     import ray
     from ray import serve
 
+    from cluster.grpc_api.serve_setup import grpc_options
+
     ray.init(num_cpus=2, address="local", include_dashboard=False, object_store_memory=1 << 30)
+    port = _free_port()
+    grpc_port = _free_port()
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(grpc_port)
+    )
+    _state.update(url=f"http://127.0.0.1:{port}", env=env, environ=environ, grpc_port=grpc_port)
+    return _state["url"]
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    _state.update(url=f"http://127.0.0.1:{port}", env=env, environ=environ)
-    return _state["url"]
+        return s.getsockname()[1]
+
+
+def grpc_port() -> int:
+    """The gRPC port of the session's Serve."""
+    return _state["grpc_port"]
 
 
 def stop_ray() -> None:
@@ -63,23 +78,30 @@ def stop_ray() -> None:
     _state.clear()
 
 
-def run_app(name: str, args: dict[str, Any], env: dict[str, str] | None = None) -> str:
+def run_app(
+    name: str, args: dict[str, Any], env: dict[str, str] | None = None, grpc: bool = False
+) -> str:
     """Deploy `serve_app:build_app(args)` at / of a Ray started with `env`; returns the
-    base URL."""
+    base URL. `grpc`: the app's grpc_port is the session's (its build checks that Serve
+    serves kvray's gRPC API there)."""
     from ray import serve
 
     from serve_app import build_app
 
     url = start_ray(env)
+    if grpc:
+        args = {**args, "grpc_port": grpc_port()}
     serve.run(build_app(args), name=name, route_prefix="/")
     return url
 
 
 @contextlib.contextmanager
-def served_app(name: str, args: dict[str, Any], env: dict[str, str] | None = None) -> Iterator[str]:
+def served_app(
+    name: str, args: dict[str, Any], env: dict[str, str] | None = None, grpc: bool = False
+) -> Iterator[str]:
     """The app of `args` deployed as `name` (run_app) for the block: its base URL. The app
     is deleted when the block ends, so the next module's app gets the route."""
-    url = run_app(name, args, env)
+    url = run_app(name, args, env, grpc)
     try:
         yield url
     finally:
@@ -88,7 +110,11 @@ def served_app(name: str, args: dict[str, Any], env: dict[str, str] | None = Non
 
 @contextlib.contextmanager
 def served_app_beside_offline_llm(
-    name: str, args: dict[str, Any], env: dict[str, str] | None = None, **llm_args: Any
+    name: str,
+    args: dict[str, Any],
+    env: dict[str, str] | None = None,
+    grpc: bool = False,
+    **llm_args: Any,
 ) -> Iterator[tuple[str, Any]]:
     """served_app, while an offline LLM of the bundled model (the app's max_model_len
     unless `llm_args` say otherwise) loads in a thread: (base URL, LLM), the reference the
@@ -99,7 +125,7 @@ def served_app_beside_offline_llm(
         llm_args.setdefault("max_model_len", args["max_model_len"])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         offline = pool.submit(LLM, **llm_args)
-        with served_app(name, args, env) as url:
+        with served_app(name, args, env, grpc) as url:
             yield url, offline.result()
 
 

@@ -136,6 +136,26 @@ def test_serve_config_parses_with_kvray_and_serve():
     assert args.max_replicas >= args.min_replicas >= 1
 
 
+def test_grpc_is_served_on_the_port_the_app_names_and_the_pods_and_service_expose():
+    from cluster.grpc_api.serve_setup import grpc_options
+
+    config = _serve_config()
+    (app,) = config["applications"]
+    port = load_app_config(app["args"]).grpc_port
+    assert config["grpc_options"] == grpc_options(port)
+    (service,) = _docs("rayservice.yaml")
+    exposed = {
+        (p["port"], p["targetPort"]) for p in service["spec"]["serveService"]["spec"]["ports"]
+    }
+    assert (port, port) in exposed and (8000, 8000) in exposed
+    for doc in _ray_docs():
+        for _, template in _pod_templates(doc):
+            (container,) = template["spec"]["containers"]
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            if "serve" in ports:
+                assert ports["grpc"] == port
+
+
 def test_gpu_workers_can_hold_every_replica_and_the_head_has_no_gpus():
     (service,) = _docs("rayservice.yaml")
     spec = service["spec"]["rayClusterConfig"]
