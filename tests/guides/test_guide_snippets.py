@@ -17,17 +17,17 @@ Pass today:
   request's default) and `--skip-special-tokens false` refused naming the request field;
 - `OpenAI(base_url=..., timeout=30.0)` and the server's documented 408 past its time limit;
 - `SamplingParams(temperature=0.7, top_p=0.9, length_penalty=1.0, use_beam_search=True)`: a
-  beam search of width n, the fields it ignores named in a warning.
+  beam search of width n, the fields it ignores named in a warning;
+- the gRPC `service InferenceService { rpc Generate (GenerateRequest) returns
+  (GenerateResponse); }` (package kvray.v1; called end to end in tests/serve).
 
 Expected to fail until their feature lands (`xfail(strict=True)`: a pass fails the run, and
-the mark must go): `llm.load_model(..., weights_only=True)`, the gRPC
-`InferenceService.Generate`.
+the mark must go): `llm.load_model(..., weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import shlex
 import time
 
@@ -229,16 +229,23 @@ def test_beam_search(llm, caplog):
     assert len(beams) == 4 and len({tuple(b) for b in beams}) == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ModuleNotFoundError,
-    reason="needs a gRPC InferenceService (Generate) beside the HTTP API",
-)
-def test_the_grpc_generate_call():
+def test_the_grpc_service_is_the_guides_inference_service():
+    """`service InferenceService { rpc Generate (GenerateRequest) returns (GenerateResponse); }`
+    in package kvray.v1; tests/serve/test_serve_openai.py calls it through a Serve app."""
+    from cluster.grpc_api import inference_pb2, inference_pb2_grpc
+
+    service = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
+    assert service.full_name == "kvray.v1.InferenceService"
+    generate = service.methods_by_name["Generate"]
+    assert (generate.input_type.name, generate.output_type.name) == (
+        "GenerateRequest",
+        "GenerateResponse",
+    )
+    assert not generate.client_streaming and not generate.server_streaming
+    assert hasattr(inference_pb2_grpc.InferenceServiceStub(_channel()), "Generate")
+
+
+def _channel():
     import grpc
 
-    service = importlib.import_module("cluster.grpc_service")
-    channel = grpc.insecure_channel("localhost:50051")
-    stub = service.InferenceServiceStub(channel)
-    reply = stub.Generate(service.GenerateRequest(prompt=PROMPT, max_tokens=MAX_TOKENS))
-    assert reply.text
+    return grpc.insecure_channel("localhost:50051")  # not connected until a call
