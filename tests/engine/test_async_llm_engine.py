@@ -154,5 +154,4 @@ def test_the_request_id_form_is_async_engines_cumulative_stream(engine):
         ids = [o.outputs[0].token_ids for o in outputs]
         assert all(ids[-1][: len(earlier)] == earlier for earlier in ids)  # cumulative
     assert tenant[-1].outputs[0].token_ids == plain[-1].outputs[0].token_ids
-    assert plain[0].outputs[0].token_ids == []  # the engine took it: no tokens yet
     assert RequestOutputKind.CUMULATIVE == params.output_kind
