@@ -5,10 +5,14 @@ it with `get_attention_metadata()`. Nesting is refused so a stale batch can neve
 
 A forward for piecewise CUDA graphs (engine.worker.piecewise_graphs) passes `split`: attention
 layers then hand their paged attention to it instead of running it.
+
+The context belongs to the thread that entered it: two engines in one process (an offline
+LLM beside an async engine's loop thread) each run their forwards without seeing the other's.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,29 +40,35 @@ class AttentionMetadata:
 AttentionSplit = Callable[[Any, torch.Tensor], torch.Tensor]
 """(attention layer, query [T, Hq, D]) -> where the layer's output [T, Hq, D] will be."""
 
-_current: AttentionMetadata | None = None
-_split: AttentionSplit | None = None
+
+class _ThreadForward(threading.local):
+    current: AttentionMetadata | None = None
+    split: AttentionSplit | None = None
+
+
+_state = _ThreadForward()
 
 
 @contextmanager
 def forward_context(
     meta: AttentionMetadata, split: AttentionSplit | None = None
 ) -> Iterator[AttentionMetadata]:
-    global _current, _split
-    if _current is not None:
+    state = _state
+    if state.current is not None:
         raise RuntimeError("forward_context is already active: nested forward passes")
-    _current, _split = meta, split
+    state.current, state.split = meta, split
     try:
         yield meta
     finally:
-        _current = _split = None
+        state.current = state.split = None
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    if _current is None:
+    current = _state.current
+    if current is None:
         raise RuntimeError("no forward_context: attention ran outside ModelRunner")
-    return _current
+    return current
 
 
 def get_attention_split() -> AttentionSplit | None:
-    return _split
+    return _state.split
