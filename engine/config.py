@@ -136,6 +136,13 @@ class CacheConfig(_Frozen):
     0: off. Refused at start when the ranks together would pin more than 70% of the host's
     memory (SWAP_SPACE_HOST_FRACTION)."""
 
+    weight_cache_gb: float = Field(default=0, ge=0, allow_inf_nan=False)
+    """GiB of host memory per rank (pinned on a GPU) that keep recently used models'
+    weights: the one switched away from by `load_model`, and level-1 sleep's copy; a switch
+    back or a wake-up is then a copy to the device, not a checkpoint read
+    (engine/worker/weight_cache.py). Least recently used models go first. 0: off (level-1
+    sleep still keeps its own copy)."""
+
 
 class SchedulerConfig(_Frozen):
     max_num_seqs: int = Field(default=256, gt=0)

@@ -15,11 +15,12 @@ Pass today:
 - the server flags (`kvray serve --gpu-memory-utilization 0.8 --quantization awq
   --request-timeout 300 --tokenizer-mode slow`), `--skip-special-tokens` accepted (every
   request's default) and `--skip-special-tokens false` refused naming the request field;
-- `OpenAI(base_url=..., timeout=30.0)` and the server's documented 408 past its time limit.
+- `OpenAI(base_url=..., timeout=30.0)` and the server's documented 408 past its time limit;
+- `llm.load_model(..., weights_only=True)` (the same checkpoint again: the same tokens).
 
 Expected to fail until their feature lands (`xfail(strict=True)`: a pass fails the run, and
-the mark must go): `llm.load_model(..., weights_only=True)`,
-`SamplingParams(..., use_beam_search=True)`, the gRPC `InferenceService.Generate`.
+the mark must go): `SamplingParams(..., use_beam_search=True)`, the gRPC
+`InferenceService.Generate`.
 """
 
 from __future__ import annotations
@@ -205,12 +206,11 @@ def test_a_request_past_the_servers_time_limit_is_the_documented_408(engine):
     assert seen.value.body["type"] == "TimeoutError"
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AttributeError, reason="needs LLM.load_model (weights only, no restart)"
-)
 def test_load_model_weights_only(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    before = llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
     llm.load_model(MODEL_PATH, weights_only=True)
-    assert llm.generate([PROMPT], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    assert llm.generate([PROMPT], greedy)[0].outputs[0].token_ids == before
 
 
 @pytest.mark.xfail(
