@@ -25,16 +25,28 @@ def tensors_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+ALIGN_BYTES = 256
+
+
 def host_copy(tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
-    """Host copies of `tensors`, in pinned memory with `pin` (copies from a GPU then run
-    without a wait each, and back to it at full speed)."""
+    """Host copies of `tensors`. With `pin`: views of one pinned buffer (torch's pinned
+    allocator rounds each allocation up to a power of two: one buffer wastes that once, and
+    one cudaHostAlloc is much faster than hundreds), so copies from and to a GPU run at full
+    speed without a wait each."""
+    if not pin:
+        return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+    offsets, total = [], 0
+    for tensor in tensors.values():
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     copies = {}
-    for name, tensor in tensors.items():
-        copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-        copy.copy_(tensor.detach(), non_blocking=pin)
-        copies[name] = copy
-    if pin and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    for (name, tensor), offset in zip(tensors.items(), offsets):
+        size = tensor.numel() * tensor.element_size()
+        view = buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor.detach(), non_blocking=True)
+        copies[name] = view
+    torch.cuda.synchronize()
     return copies
 
 
