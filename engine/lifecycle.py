@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineArgs, UsageContext
+from engine.executor import UniProcExecutor
 from engine.input_processor import load_tokenizer_for
 from engine.models.registry import architectures_of, get_model_class
 from engine.worker.loader import (
@@ -106,9 +107,10 @@ class ModelLifecycle:
         self.served_model_names = served_names(
             model.served_model_name, model.model, model.load_format
         )
+        if self.metrics is not None:  # what the old name did goes out under it
+            self.metrics.maybe_flush(self.stats, idle=True)
+            self.metrics.labels = {"model": self.served_model_names[0]}
         self.model_name = self.served_model_names[0]
-        if self.metrics is not None:
-            self.enable_metrics(self.metrics.sink, self.metrics.flush_interval_s)
 
     def _switch_engine(self, model: str | None, load_format: str, engine_args: dict) -> None:
         if self.engine_args is None:
@@ -119,7 +121,11 @@ class ModelLifecycle:
         self._check_loadable(args)
         executor_class = type(self.executor)
         metrics = self.metrics
-        self.executor.collective_rpc("lifecycle", "keep_in_cache")
+        if metrics is not None:
+            metrics.maybe_flush(self.stats, idle=True)
+        if isinstance(self.executor, UniProcExecutor):
+            # Only a rank in this process outlives the executor, and its cache with it.
+            self.executor.collective_rpc("lifecycle", "keep_in_cache")
         self._tear_down()
         try:
             self._start(args, executor_class, metrics)

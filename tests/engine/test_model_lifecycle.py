@@ -253,3 +253,38 @@ def test_reset_prefix_cache_forgets_cached_blocks(checkpoints):
     assert pool.cached_block_hash_to_block
     assert llm.reset_prefix_cache()
     assert not pool.cached_block_hash_to_block
+
+
+def test_weight_cache_gb_is_a_serve_key_and_a_flag():
+    from cluster.app_config import load_app_config
+    from cluster.cli import parse_serve_args
+    from cluster.engine_host import engine_args
+
+    config, _ = parse_serve_args(["serve", "--weight-cache-gb", "8"])
+    assert engine_args(config).weight_cache_gb == 8.0
+    assert engine_args(load_app_config({})).weight_cache_gb == 0
+    with pytest.raises(ValueError, match="weight_cache_gb"):
+        load_app_config({"weight_cache_gb": -1})
+
+
+class _LabelSink:
+    def __init__(self):
+        self.models: list[str] = []
+
+    def inc(self, name, value, labels):
+        self.models.append(labels["model"])
+
+    set = observe = inc
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_metrics_after_a_switch_carry_the_new_models_name(checkpoints, weights_only):
+    llm = LLM(checkpoints["a"], **SMALL)
+    sink = _LabelSink()
+    llm.engine.enable_metrics(sink, flush_interval_s=0)
+    llm.generate(PROMPTS[:1], GREEDY)
+    llm.load_model(checkpoints["b"], weights_only=weights_only)
+    assert set(sink.models) == {"a"}
+    sink.models.clear()
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert sink.models and set(sink.models) == {"b"}
