@@ -103,9 +103,20 @@ class WeightCache:
         return True
 
     def _evict_for(self, size: int) -> None:
+        evicted = False
         while self._entries and self.used_bytes + size > self.capacity_bytes:
             key, _ = self._entries.popitem(last=False)
             logger.info("weight cache: evicted %s", key.path)
+            evicted = True
+        if evicted:
+            release_pinned_memory()
+
+
+def release_pinned_memory() -> None:
+    """Give the pinned pages no tensor holds back to the system: torch's pinned allocator
+    keeps freed blocks for reuse, which would keep an evicted entry's memory pinned."""
+    if torch.cuda.is_available() and hasattr(torch.accelerator, "empty_host_cache"):
+        torch.accelerator.empty_host_cache()
 
     def clear(self) -> None:
         self._entries.clear()

@@ -27,7 +27,12 @@ import torch
 from engine.distributed import get_pp_rank, get_pp_size, get_tp_rank, get_tp_size
 from engine.layers.quantization import build_quant_config
 from engine.worker.loader import ModelSource, build_model, load_hf_config, load_model
-from engine.worker.weight_cache import WeightKey, checkpoint_fingerprint, process_weight_cache
+from engine.worker.weight_cache import (
+    WeightKey,
+    checkpoint_fingerprint,
+    process_weight_cache,
+    release_pinned_memory,
+)
 from engine.worker.weight_tensors import (
     TensorSpec,
     check_same_shapes,
@@ -161,11 +166,13 @@ class WeightLifecycle:
         if staged is None:
             raise RuntimeError("no staged weights to commit: stage() first")
         self.keep_in_cache()
-        copy_into(weight_tensors(self.runner.model), staged.tensors)
-        if not staged.from_cache and self.cache.fits(tensors_bytes(staged.tensors)):
-            # Host staging on a CPU is the entry as it is; on a GPU the entry is pinned.
-            entry = host_copy(staged.tensors, True) if self.pin else staged.tensors
-            self.cache.put(staged.key, entry)
+        tensors = staged.tensors
+        if not staged.from_cache and self.cache.fits(tensors_bytes(tensors)):
+            # Host staging on a CPU is the entry as it is; on a GPU the entry is pinned, and
+            # the copy to the device then runs from pinned memory, at full speed.
+            tensors = host_copy(tensors, True) if self.pin else tensors
+            self.cache.put(staged.key, tensors)
+        copy_into(weight_tensors(self.runner.model), tensors)
         self.source = staged.source
 
     def discard(self) -> None:
@@ -207,6 +214,7 @@ class WeightLifecycle:
         self._specs = release(live)
         self.sleep_level = level
         empty_device_cache(self.runner.device)
+        release_pinned_memory()  # the KV swap pool's
 
     def wake_up(self) -> None:
         if not self.sleep_level:
@@ -218,6 +226,8 @@ class WeightLifecycle:
         reallocate(live, self._specs)
         copy_into(live, host)
         self._host_copy = self._specs = None
+        del host
+        release_pinned_memory()  # a host copy the cache does not keep
         self.runner.init_kv_cache(self._num_blocks)
         self.sleep_level = 0
 

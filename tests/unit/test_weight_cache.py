@@ -78,3 +78,11 @@ def test_weights_are_checked_before_anything_is_copied_and_come_back_after_a_rel
     reallocate(live, specs)
     copy_into(live, saved)
     assert torch.equal(model[0].weight, saved["0.weight"])
+
+
+def test_weight_cache_gb_beyond_the_hosts_memory_is_refused_naming_it():
+    from engine.config import check_weight_cache
+
+    check_weight_cache(10, 4, 2, total=100 * 2**30)
+    with pytest.raises(ValueError, match=r"weight_cache_gb=30 GiB.*x 2 rank\(s\) = 68.0 GiB"):
+        check_weight_cache(30, 4, 2, total=90 * 2**30)
