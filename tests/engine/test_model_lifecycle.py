@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
 from engine.worker import loader
+from engine.worker.weight_cache import process_weight_cache
 from tests.support.bundled_checkpoints import PROMPT, bundled_float_weights, write_checkpoint
 from tests.support.random_checkpoints import CONFIG, PROMPTS, random_llama_weights, write_llama
 
@@ -51,6 +52,12 @@ def write_wider_llama(folder: Path) -> str:
     return str(folder)
 
 
+@pytest.fixture(autouse=True)
+def empty_weight_cache():
+    """The process's weight cache outlives engines: each test starts with it empty."""
+    process_weight_cache(0)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lifecycle")
@@ -73,16 +80,6 @@ def fresh(checkpoints) -> dict[str, list[list[int]]]:
         llm.engine.shutdown()
     assert out["a"] != out["b"] and out["a"] != out["wide"]
     return out
-
-
-@pytest.fixture
-def no_checkpoint_reads(monkeypatch):
-    """Reading a safetensors checkpoint fails from here on."""
-
-    def refuse(model, folder):
-        raise AssertionError(f"read {folder}")
-
-    monkeypatch.setattr(loader, "_load_safetensors", refuse)
 
 
 def live_pointers(llm: LLM) -> tuple[list[int], list[int]]:
