@@ -64,7 +64,8 @@ def write_checkpoint(shape: str, folder: Path, dtype: torch.dtype, shard_bytes: 
     with torch.device("meta"):
         shapes = AutoModelForCausalLM.from_config(config).state_dict()
     folder.mkdir(parents=True, exist_ok=True)
-    fields = config.to_dict() | {"torch_dtype": str(dtype).removeprefix("torch.")}
+    name = str(dtype).removeprefix("torch.")
+    fields = config.to_dict() | {"dtype": name, "torch_dtype": name}
     (folder / "config.json").write_text(json.dumps(fields))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device).manual_seed(0)

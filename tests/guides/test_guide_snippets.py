@@ -74,6 +74,14 @@ def test_offline_generation_with_tensor_parallel_size(llm):
     assert outputs[0].outputs[0].text and len(outputs[0].outputs[0].token_ids) <= MAX_TOKENS
 
 
+def test_load_model_weights_only(llm):
+    # Before the async engine's tests: a request it still runs would step beside this one.
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    before = llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
+    llm.load_model(MODEL_PATH, weights_only=True)
+    assert llm.generate([PROMPT], greedy)[0].outputs[0].token_ids == before
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the form: the gpu test")
 def test_fp8_mixed_precision_is_refused_on_a_cpu_naming_what_to_use():
     with pytest.raises(ValueError, match=r"dtype='fp8' runs FP8 weights on a GPU.*dtype='auto'"):
@@ -204,13 +212,6 @@ def test_a_request_past_the_servers_time_limit_is_the_documented_408(engine):
     assert seen.value.status_code == 408
     assert seen.value.body["code"] == "request_timeout"
     assert seen.value.body["type"] == "TimeoutError"
-
-
-def test_load_model_weights_only(llm):
-    greedy = SamplingParams(temperature=0, max_tokens=4)
-    before = llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
-    llm.load_model(MODEL_PATH, weights_only=True)
-    assert llm.generate([PROMPT], greedy)[0].outputs[0].token_ids == before
 
 
 @pytest.mark.xfail(
