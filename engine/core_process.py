@@ -34,7 +34,7 @@ from engine.sampling_params import truncate_prompt
 # A delta of one request: (request_id, finished, num_cached_tokens, (prompt, prompt ids) on
 # its first delta else None, completion deltas, prompt logprobs on the first delta that has
 # them else None). A completion delta: (index, text length kept, new text, new token ids,
-# new logprobs or None, finish_reason, stop_reason).
+# new logprobs or None, finish_reason, stop_reason, cumulative_logprob).
 _RequestDelta = tuple
 
 
@@ -83,6 +83,7 @@ class OutputEncoder:
                         new_logprobs,
                         c.finish_reason,
                         c.stop_reason,
+                        c.cumulative_logprob,
                     )
                 )
                 state = (len(c.token_ids), c.text, len(c.logprobs or ()))
@@ -140,7 +141,7 @@ class OutputDecoder:
                 last = RequestOutput(request_id, text, ids, [], finished=False)
             previous = {c.index: c for c in last.outputs}
             merged = []
-            for index, keep, text, ids, logprobs, finish_reason, stop_reason in completions:
+            for index, keep, text, ids, logprobs, finish_reason, stop_reason, cum in completions:
                 old = previous.get(index) or CompletionOutput(index, "", [], logprobs=None)
                 merged.append(
                     CompletionOutput(
@@ -150,6 +151,7 @@ class OutputDecoder:
                         finish_reason=finish_reason,
                         stop_reason=stop_reason,
                         logprobs=None if logprobs is None else (old.logprobs or []) + logprobs,
+                        cumulative_logprob=cum,
                     )
                 )
             out = RequestOutput(

@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.observability.gc_pauses import frozen_heap
@@ -154,6 +155,22 @@ class LLM:
                     raise failed[0][1]
         return [finished[rid] for rid in ids]
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType | dict[str, Any]],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: per prompt, the `beam_width` best sequences, best
+        first (engine/beam_search.py). A prompt is text, token ids, or vLLM's
+        {"prompt": text} / {"prompt_token_ids": ids}."""
+        if isinstance(prompts, dict):
+            prompts = [prompts]
+        if isinstance(prompts, list | tuple):
+            prompts = [_prompt_of(p) for p in prompts]
+        outputs = self.generate(prompts, params.to_sampling_params())
+        tokenizer = self.engine.tokenizer
+        return [to_beam_search_output(o, tokenizer, params.length_penalty) for o in outputs]
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -184,3 +201,13 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params)
+
+
+def _prompt_of(prompt: PromptType | dict[str, Any]) -> PromptType:
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError("a prompt dict takes 'prompt' (text) or 'prompt_token_ids'")

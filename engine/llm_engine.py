@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.beam_search import BeamSearches
 from engine.config import EngineArgs, EngineConfig, UsageContext
 from engine.core.kv_offload import offload_settings
 from engine.core.request import Request, RequestStatus
@@ -99,6 +100,8 @@ class LLMEngine(ModelLifecycle):
             structured=self.structured,
         )
         self.output_processor = OutputProcessor(tokenizer, self.scheduler, self.structured)
+        self.beam_searches = BeamSearches(self.scheduler, self.input_processor, tokenizer, eos_ids)
+        """Requests with use_beam_search (engine/beam_search.py)."""
         if config.device == "cuda":
             self.warm_up()
             self.executor.warn_of_late_kernel_variants()
@@ -181,7 +184,13 @@ class LLMEngine(ModelLifecycle):
         Returns the request's output as taken: its prompt, no tokens yet."""
         self.check_awake()
         check_request_id(request_id)
+        if sampling_params.use_beam_search:
+            self.output_processor.check_id_free(request_id, 1)
+            return self.beam_searches.add(
+                request_id, prompt, sampling_params, priority, cache_salt, arrival_time
+            )
         self.output_processor.check_id_free(request_id, sampling_params.n)
+        self.beam_searches.check_id_free(request_id)
         taken = self.input_processor.process(prompt, sampling_params, grammar)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         requests = [
@@ -198,11 +207,14 @@ class LLMEngine(ModelLifecycle):
         ]
         parent = self.output_processor.new_parent(request_id, taken, requests, arrival_time)
         spec = taken.sampling_params.structured_output
+        first_id = requests[0].request_id
 
         def start(request: Request) -> None:
             if taken.grammar is not None:
                 self.structured.add(request.request_id, taken.grammar, spec.starts_after_token_ids)
-            self.scheduler.add_request(request)
+            # The other samples fork the first one's prompt blocks (engine/core/scheduler.py).
+            fork_of = None if request.request_id == first_id else first_id
+            self.scheduler.add_request(request, fork_of=fork_of)
 
         self.output_processor.add_request(parent, start)
         return self.output_processor.make_output(parent)
@@ -213,6 +225,7 @@ class LLMEngine(ModelLifecycle):
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
         now = time.monotonic()
+        self.beam_searches.abort(request_ids)
         aborted = self.output_processor.abort(request_ids)
         if self.metrics is not None:
             for parent in aborted:
@@ -224,10 +237,14 @@ class LLMEngine(ModelLifecycle):
             self.metrics.maybe_flush(self.stats, idle=not self.has_unfinished_requests())
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.parents) or self.scheduler.has_unfinished_requests()
+        return (
+            bool(self.output_processor.parents)
+            or self.beam_searches.active
+            or self.scheduler.has_unfinished_requests()
+        )
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.parents)
+        return len(self.output_processor.parents) + len(self.beam_searches.searches)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -240,8 +257,9 @@ class LLMEngine(ModelLifecycle):
         requests, so that every stage has work.
         """
         outputs: list[RequestOutput] = []
-        # A structured request's next mask follows from its latest token: read them all first.
-        max_pending = 0 if self.structured else self._max_pending()
+        # A structured request's next mask follows from its latest token, a beam search's
+        # next beams from its latest logprobs: read them all first.
+        max_pending = 0 if self.structured or self.beam_searches.active else self._max_pending()
         while len(self._pending) > max_pending:
             outputs += self._complete(*self._pending.popleft())
         scheduler_output = self.scheduler.schedule()
@@ -302,7 +320,11 @@ class LLMEngine(ModelLifecycle):
     def _complete(self, scheduler_output: SchedulerOutput, launched: PendingOutput):
         runner_output = launched.result()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        searched = (
+            self.beam_searches.process(updated, runner_output) if self.beam_searches.active else []
+        )
         outputs, touched = self.output_processor.process_outputs(updated, runner_output)
+        outputs += searched
         if self.metrics is not None:
             self._record_step(scheduler_output, touched)
         return outputs

@@ -1,7 +1,7 @@
 """From the scheduler's requests to the callers' RequestOutputs.
 
 A request with n > 1 samples runs as n scheduler requests, `id#0` .. `id#{n-1}` (the id
-itself when n == 1): `OutputProcessor` keeps each request's samples together, turns their
+itself when n == 1; the others fork `id#0`'s prompt blocks): `OutputProcessor` keeps each request's samples together, turns their
 new tokens into text (stop strings finish a sample here), collects logprobs, and builds
 the request's cumulative `RequestOutput`. A request a step fails on alone is kept aside
 (`failed`) until the engine aborts it and hands its error over.

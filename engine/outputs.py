@@ -27,6 +27,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the sequence, if any."""
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    """A beam search's: the sum of the sequence's token logprobs (sampled outputs: None)."""
 
 
 @dataclass

@@ -146,6 +146,15 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """vLLM's: sample only these tokens (logprobs still report the model's own distribution)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    use_beam_search: bool = False
+    """vLLM's: a beam search `n` beams wide (engine/beam_search.py) instead of sampling; it
+    returns the n best sequences. The fields only sampling reads (temperature, top_p,
+    top_k, min_p, seed, penalties, ...) are ignored, with a logged warning."""
+    length_penalty: float = 1.0
+    """Beam search: a finished sequence scores cum_logprob / length ** length_penalty."""
+    early_stopping: bool | str = "never"
+    """Beam search: when to stop (transformers' modes): True as soon as n sequences are
+    finished, False when a better one is unlikely, "never" when none can come."""
     structured_output: StructuredOutput | None = None
     """Every sampled token keeps the output a prefix of valid JSON (engine/structured_output.py);
     logprobs still report the model's own distribution."""
@@ -229,6 +238,7 @@ class SamplingParams:
                 raise ValueError("min_tokens cannot be combined with structured_output")
             if self.ignore_eos:
                 raise ValueError("ignore_eos cannot be combined with structured_output")
+        self._check_beam_search()
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
@@ -236,6 +246,23 @@ class SamplingParams:
             raise ValueError(
                 f"output_kind must be one of {kinds}, got {self.output_kind!r}"
             ) from None
+
+    def _check_beam_search(self) -> None:
+        self.use_beam_search = _bool("use_beam_search", self.use_beam_search)
+        self.length_penalty = _float("length_penalty", self.length_penalty)
+        early = self.early_stopping
+        if not (isinstance(early, bool) or early == "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {early!r}")
+        if not self.use_beam_search:
+            return
+        # Each beam offers its 2n best next tokens: logprobs of 2n.
+        if self.n > MAX_LOGPROBS // 2:
+            raise ValueError(
+                f"n must be <= {MAX_LOGPROBS // 2} with use_beam_search (the beam width), "
+                f"got {self.n}"
+            )
+        if self.structured_output is not None:
+            raise ValueError("structured_output cannot be combined with use_beam_search")
 
     def allowed_bitmask(self, vocab_size: int) -> np.ndarray | None:
         """allowed_token_ids as int32 words, bit i of word w for token 32w + i (built once)."""
@@ -271,6 +298,45 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+
+BEAM_SEARCH_IGNORED_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "prompt_logprobs",
+)
+"""SamplingParams fields a beam search does not read (it ranks the model's own logprobs)."""
+
+
+def beam_search_ignored_fields(params: SamplingParams) -> list[str]:
+    """The fields of `params` away from their defaults that a beam search ignores."""
+    defaults = _defaults()
+    ignored = [f for f in BEAM_SEARCH_IGNORED_FIELDS if getattr(params, f) != getattr(defaults, f)]
+    if params.is_greedy:  # what a beam search ranks by: nothing ignored
+        ignored.remove("temperature")
+    return ignored
+
+
+def _defaults() -> SamplingParams:
+    global _DEFAULT_PARAMS
+    if _DEFAULT_PARAMS is None:
+        _DEFAULT_PARAMS = SamplingParams()
+    return _DEFAULT_PARAMS
+
+
+_DEFAULT_PARAMS: SamplingParams | None = None
 
 
 def _int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:

@@ -125,6 +125,14 @@ class CompletionRequest(_SamplingFields):
     """vLLM's: each choice carries the top-N logprobs of every prompt token."""
     add_special_tokens: bool = True
     """vLLM's: a text prompt gets the tokenizer's special tokens (a Llama 3's BOS)."""
+    use_beam_search: bool = False
+    """vLLM's: a beam search `best_of` (else `n`) beams wide returns the `n` best sequences
+    (engine/api/beam_search.py); not streamed."""
+    length_penalty: float = 1.0
+    """Beam search: a sequence scores cum_logprob / length ** length_penalty."""
+    early_stopping: bool | Literal["never"] = "never"
+    """Beam search: true, stop once n sequences are finished; false, once a better one is
+    unlikely; "never", once none can come."""
 
     @property
     def several_prompts(self) -> bool:

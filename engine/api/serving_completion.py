@@ -4,7 +4,9 @@ optionally echoed back with its logprobs; the response whole or as a stream of c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+from engine.api.beam_search import as_beam_search, beam_width
 from engine.api.errors import APIError
 from engine.api.inputs import echo_only, prompt_param, to_sampling_params
 from engine.api.protocol import CompletionRequest
@@ -24,7 +26,9 @@ class CompletionServing(GeneratingEndpoint):
         self, request: CompletionRequest, ctx: RequestContext | None = None
     ) -> CompletionResponse | SSEStream:
         self.served.check_model(request.model)
-        if request.best_of not in (None, request.n):
+        if request.use_beam_search:
+            beam_width(request)  # a 400 before any prompt is encoded
+        elif request.best_of not in (None, request.n):
             raise APIError(f"best_of must equal n ({request.n})", param="best_of")
         encoded = await self._encode_prompts(request)
         prompts = [
@@ -46,6 +50,8 @@ class CompletionServing(GeneratingEndpoint):
             tracker = CompletionDeltaTracker(fmt=fmt, **self._tracker_fields(request, generation))
             return self._stream(request, generation, tracker, fmt.echo_only)
         final = await self._final_outputs(generation)
+        if request.use_beam_search:  # best_of beams wide, the n best returned
+            final = [dataclasses.replace(o, outputs=o.outputs[: request.n]) for o in final]
         return completion_response(
             generation.response_id,
             self.served.model_name,
@@ -62,7 +68,7 @@ class CompletionServing(GeneratingEndpoint):
             max_tokens = request.max_tokens
         else:
             max_tokens = self.served.default_max_tokens(prompt_len, OPENAI_DEFAULT_MAX_TOKENS)
-        return to_sampling_params(
+        params = to_sampling_params(
             request,
             prompt_len,
             self.served.max_model_len,
@@ -71,6 +77,7 @@ class CompletionServing(GeneratingEndpoint):
             request.logprobs,
             defaults=self.served.generation_defaults.sampling,
         )
+        return as_beam_search(params, request) if request.use_beam_search else params
 
     async def _encode_prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompt = request.prompt

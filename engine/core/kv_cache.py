@@ -1,7 +1,13 @@
-"""Paged KV-cache bookkeeping: a block pool with an LRU free queue, and prefix caching.
+"""Paged KV-cache bookkeeping: a block pool with an LRU free queue, prefix caching, forks.
 
 Only ids and counts live here; the KV tensors themselves belong to the workers. Block 0 is
 the null block: it pads block tables and is never handed to a request.
+
+A block's `ref_cnt` is the number of requests that hold it: a prefix hit or a fork (n > 1
+samples, beams) takes one more reference, and a block returns to the free queue only when
+its last holder frees it. A request never writes into a block another request holds: the
+first write into a shared block copies it (copy-on-write), and the copies to make reach
+the workers as `block_copies`.
 """
 
 from __future__ import annotations
@@ -256,6 +262,9 @@ class KVCacheManager:
         """Tokens of the requests admitted so far (resumed ones again), as vLLM counts them."""
         self.prefix_cache_hits = 0
         """Of those, tokens served from the prefix cache."""
+        self.block_copies: list[tuple[int, int]] = []
+        """(source, destination) block ids the workers copy before the next forward: the
+        copy-on-write of shared blocks. The scheduler takes them with each step."""
 
     @property
     def usage(self) -> float:
@@ -308,10 +317,19 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Blocks this step writes into that another request holds too (a fork's last,
+        # partial block): each is copied into a block of the request's own first.
+        shared = [
+            i
+            for i in range(num_computed // self.block_size, len(req_blocks))
+            if req_blocks[i].ref_cnt > 1
+        ]
         # Hits on free cached blocks leave the free queue, so they cannot also be handed out.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.num_free_blocks - num_free_hits:
+        if num_new_blocks + len(shared) > self.num_free_blocks - num_free_hits:
             return None
+        for i in shared:
+            self._copy_on_write(req_blocks, i)
 
         if req_id not in self.req_to_blocks:
             self.req_to_blocks[req_id] = req_blocks
@@ -325,6 +343,48 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         self.cache_blocks(request, num_computed + num_new_tokens)
         return [b.block_id for b in new_blocks]
+
+    def _copy_on_write(self, req_blocks: list[KVCacheBlock], index: int) -> None:
+        shared = req_blocks[index]
+        (own,) = self.block_pool.get_new_blocks(1)
+        req_blocks[index] = own
+        self.block_pool.free_blocks([shared])  # others still hold it: stays in use
+        self.block_copies.append((shared.block_id, own.block_id))
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Let `child` share the blocks that hold `parent`'s first `num_tokens` tokens.
+
+        The two must have those tokens in common, and their KV must be computed (scheduled
+        by a step already launched): the child's `num_computed_tokens` becomes
+        `num_tokens`. Each shared block takes one more reference; the last one, if
+        partial, is copied when either of them next writes into it (allocate_slots).
+        """
+        parent_id, child_id = parent.request_id, child.request_id
+        blocks = self.req_to_blocks.get(parent_id)
+        if blocks is None:
+            raise ValueError(f"request {parent_id} holds no blocks to fork")
+        if child_id in self.req_to_blocks:
+            raise ValueError(f"request {child_id} already has blocks; only a new one forks")
+        if not 0 <= num_tokens <= parent.num_computed_tokens:
+            raise ValueError(
+                f"num_tokens must be in [0, {parent.num_computed_tokens}] (the parent's "
+                f"computed tokens), got {num_tokens}"
+            )
+        shared = blocks[: cdiv(num_tokens, self.block_size)]
+        for block in shared:
+            block.ref_cnt += 1  # held by the parent: never in the free queue
+        self.req_to_blocks[child_id] = list(shared)
+        num_full = num_tokens // self.block_size
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        if self.enable_caching:
+            self.num_cached_blocks[child_id] = min(
+                self.num_cached_blocks.get(parent_id, 0), num_full
+            )
+        child.num_computed_tokens = num_tokens
+
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one request."""
+        return sum(1 for b in self.block_pool.blocks[1:] if b.ref_cnt > 1)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks within its first `num_tokens` tokens."""
@@ -348,6 +408,10 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks.pop(request.request_id, 0)
         if blocks is None:
             return
+        if self.block_copies:
+            # A copy into a block of its own that this step never gets to use.
+            own = {b.block_id for b in blocks}
+            self.block_copies = [(s, d) for s, d in self.block_copies if d not in own]
         # Registered for tokens the step in flight was to compute, but it never will.
         for block in blocks[request.num_computed_tokens // self.block_size : num_cached]:
             self.block_pool.uncache_block(block)
@@ -371,6 +435,15 @@ class KVCacheManager:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
                 f"held by {refs.get(block.block_id, 0)} request(s)",
             )
+        for src, dst in self.block_copies:
+            _check(
+                refs.get(src, 0) >= 1 and refs.get(dst, 0) == 1,
+                f"block copy {src} -> {dst}: the source must be held, the copy by one request",
+            )
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def _update_block_hashes(self, request: Request) -> None:
         bs = self.block_size

@@ -8,6 +8,14 @@ While requests decode, prompts share the smaller `max_prefill_tokens_with_decode
 that carries decodes stays short, so one arriving prompt holds the streams up briefly
 (unless a whole step's worth of prompt tokens waits: then the queue comes first).
 A request samples a token when a step brings it to the end of its known tokens.
+
+Forks. The samples of a request with n > 1 share its prompt's KV: the first sample
+computes the prompt, and each other one waits until it has (`_awaiting_fork`), then
+forks its blocks and recomputes only the prompt's last token, whose logits it samples
+from (the last block, partial, is copied first: kv_cache.py's copy-on-write). A beam
+(engine/beam_search.py) forks its parent's blocks the same way (`fork_request`). A forked
+request the workers have not seen yet goes to them as a new request; the copies to make
+go with the step (`SchedulerOutput.blocks_to_copy`).
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ class Scheduler:
             self.offload = KVOffload(
                 self.kv_cache_manager, offload, scheduler_config.preemption_mode, self.policy
             )
+        self._awaiting_fork: dict[str, list[Request]] = {}
+        """First sample's id -> the request's other samples (n > 1), waiting for its prompt
+        to be computed to fork its blocks."""
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -91,12 +102,44 @@ class Scheduler:
                 f"shorten the prompt or raise num_gpu_blocks",
             )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork_of: str | None = None) -> None:
+        """Queue `request`; with `fork_of` (the id of another sample of the same prompt and
+        cache salt, added before it), it forks that one's prompt blocks once they are
+        computed instead of computing the prompt itself."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already scheduled")
         self.check_request(request)
         self.requests[request.request_id] = request
-        self._add_waiting(request)
+        leader = None if fork_of is None else self.requests.get(fork_of)
+        if leader is not None and leader.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
+            same = (leader.prompt_token_ids, leader.cache_salt) == (
+                request.prompt_token_ids,
+                request.cache_salt,
+            )
+            if not same:
+                raise ValueError(f"request {request.request_id!r} forks another prompt or salt")
+            self._awaiting_fork.setdefault(fork_of, []).append(request)
+        else:
+            self._add_waiting(request)
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Add `child`, whose tokens continue `parent`'s computed ones, sharing the parent's
+        blocks: it computes only its tokens past them. A parent that holds no computed KV
+        (preempted, waiting) gives nothing to share: the child is queued as a new request."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already scheduled")
+        if child.num_tokens <= parent.num_computed_tokens:
+            raise ValueError("a forked request needs a token past its parent's computed ones")
+        self.check_request(child)
+        self.requests[child.request_id] = child
+        kv = self.kv_cache_manager
+        if parent.status != RequestStatus.RUNNING or parent.num_computed_tokens == 0:
+            self._add_waiting(child)
+            return
+        kv.fork(parent, child, parent.num_computed_tokens)
+        child.status = RequestStatus.RUNNING
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.running.append(child)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string); unknown or finished ids are skipped."""
@@ -111,19 +154,34 @@ class Scheduler:
             self._dequeue(request)
             self._finish(request, status)
 
+    def _stop_awaiting_fork(self, request: Request) -> bool:
+        for leader_id, samples in self._awaiting_fork.items():
+            if request in samples:
+                samples.remove(request)
+                if not samples:
+                    del self._awaiting_fork[leader_id]
+                return True
+        return False
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting or self._swapped())
+        return bool(self.running or self.waiting or self._awaiting_fork or self._swapped())
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self._swapped())
+        return len(self.running) + self._num_waiting() + len(self._swapped())
+
+    def _num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(s) for s in self._awaiting_fork.values())
 
     def _swapped(self) -> list[Request]:
         return self.offload.swapped if self.offload is not None else []
 
     def _dequeue(self, request: Request) -> None:
-        """Take an unfinished request out of its queue: running, swapped or waiting."""
+        """Take an unfinished request out of its queue: running, awaiting its fork, swapped
+        or waiting."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif self._stop_awaiting_fork(request):
+            pass
         elif self.offload is None or not self.offload.drop(request):
             self.waiting.remove(request)
 
@@ -131,7 +189,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         stats = {
             "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
+            "num_waiting": self._num_waiting(),
             "num_preemptions": self.num_preemptions,
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_queries,
@@ -161,12 +219,19 @@ class Scheduler:
         )
         self._schedule_running(step)
         # A step that had to preempt is short of blocks: admitting now would only thrash.
+        forked = [] if step.preempted else self._fork_samples(step)
         scheduled_new = [] if step.preempted else self._admit_waiting(step)
-        admitted = {r.request_id for r in scheduled_new}
-        scheduled_running = [self.requests[r] for r in step.num_scheduled if r not in admitted]
+        new = {r.request_id for r in (*forked, *scheduled_new)}
+        scheduled_running = [self.requests[r] for r in step.num_scheduled if r not in new]
+        # Forked beams the workers have not seen yet (engine/beam_search.py).
+        unsent = [r for r in scheduled_running if r.request_id not in self._num_sent_tokens]
+        if unsent:
+            scheduled_running = [r for r in scheduled_running if r not in unsent]
 
         output = SchedulerOutput(
-            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
+            scheduled_new_reqs=[
+                self._new_request_data(r) for r in (*unsent, *forked, *scheduled_new)
+            ],
             scheduled_cached_reqs=[
                 self._cached_request_data(r, step.new_block_ids[r.request_id])
                 for r in scheduled_running
@@ -174,6 +239,7 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=sum(step.num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
+            blocks_to_copy=self.kv_cache_manager.take_block_copies(),
         )
         self._finished_req_ids = set()
         if self.offload is not None:
@@ -201,6 +267,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            num_copies = len(kv.block_copies)
             while (block_ids := kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -213,9 +280,58 @@ class Scheduler:
                     break
             if block_ids is None:
                 continue
+            if len(kv.block_copies) > num_copies and request.request_id in self._num_sent_tokens:
+                # The workers' block table of a running request only grows: a request they
+                # know never shares the block it writes into (forks copy at once).
+                raise RuntimeError(f"request {request.request_id} wrote into a shared block")
             step.take(request.request_id, num_new, is_prefill)
             step.new_block_ids[request.request_id] = block_ids
             i += 1
+
+    def _fork_samples(self, step: _StepBudget) -> list[Request]:
+        """Fork the samples whose first sample's prompt is computed: each shares its
+        blocks and computes the prompt's last token again, for the logits it samples from.
+        Only as many as the step has room for; the others wait for a later step."""
+        kv = self.kv_cache_manager
+        forked: list[Request] = []
+        for leader_id in list(self._awaiting_fork):
+            leader = self.requests[leader_id]
+            if (
+                leader.status != RequestStatus.RUNNING
+                or leader.num_computed_tokens < leader.num_prompt_tokens
+            ):
+                continue
+            samples = self._awaiting_fork[leader_id]
+            while (
+                samples
+                and step.tokens > 0
+                and len(self.running) < self.config.max_num_seqs
+                and len(step.num_scheduled) < step.max_seqs
+            ):
+                sample = samples[0]
+                kv.fork(leader, sample, leader.num_prompt_tokens - 1)
+                # Its first write copies the shared last block: it never holds a shared
+                # block the workers see it write into.
+                if kv.allocate_slots(sample, 1) is None:
+                    kv.free(sample)
+                    sample.num_computed_tokens = 0
+                    return forked  # short of blocks: the rest wait
+                samples.pop(0)
+                sample.status = RequestStatus.RUNNING
+                sample.num_cached_tokens = leader.num_cached_tokens
+                self.running.append(sample)
+                forked.append(sample)
+                step.num_scheduled[sample.request_id] = 1
+                step.tokens -= 1
+            if not samples:
+                del self._awaiting_fork[leader_id]
+        return forked
+
+    def _release_forks(self, leader: Request) -> None:
+        """A first sample that leaves the running queue before its samples forked: they
+        compute their prompt themselves (with prefix caching, mostly as hits)."""
+        for sample in self._awaiting_fork.pop(leader.request_id, ()):
+            self._add_waiting(sample)
 
     def _admit_waiting(self, step: _StepBudget) -> list[Request]:
         """Admit waiting requests from the head of the queue while the step has room."""
@@ -398,6 +514,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._release_forks(request)
         # Swapped (preemption_mode, room in the CPU pool): it keeps its computed tokens and
         # waits in the offload's queue; else they are recomputed when it resumes.
         swapped = self.offload is not None and self.offload.swap_out(request)
@@ -413,6 +530,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._release_forks(request)
         self.kv_cache_manager.free(request)
         self._forget_on_workers(request)
         del self.requests[request.request_id]

@@ -54,6 +54,9 @@ class SchedulerOutput:
     """(CPU block, GPU block) pairs to copy back before this step's forward reads them:
     resumed requests and CPU-tier prefix hits. A step reads before it writes: copies in
     read the pool before copies out write it."""
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks every worker copies before the forward: the
+    copy-on-write of a block forked requests shared (engine/core/kv_cache.py)."""
 
     @property
     def is_empty(self) -> bool:

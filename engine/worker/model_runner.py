@@ -26,6 +26,7 @@ from engine.distributed import (
 from engine.forward_context import forward_context
 from engine.generation_config import config_eos_token_id
 from engine.layers.attention import attention_layers, bind_kv_caches
+from engine.worker.block_copy import copy_blocks
 from engine.worker.cuda_graphs import DecodeCudaGraphs
 from engine.worker.host_staging import HostToDevice
 from engine.worker.kv_memory import (
@@ -214,6 +215,8 @@ class ModelRunner:
         if self.kv_swap is not None:
             self.kv_swap.apply(out.kv_copies_out, out.kv_copies_in)
         self.requests.update(out)
+        if out.blocks_to_copy:
+            copy_blocks(self.kv_caches, out.blocks_to_copy)
         if out.is_empty:
             return PendingRunnerOutput.done(ModelRunnerOutput())
         batch = self.prepare_inputs(out)

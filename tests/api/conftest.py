@@ -10,6 +10,7 @@ from tests.support.tiers import mark_folder
 # Tests that build an engine of the bundled model.
 SLOW = {
     "test_api_bad_values.py",
+    "test_api_beam_search.py::test_the_bundled_model_answers_with_its_best_beams",
     "test_api_reasoning.py::test_the_bundled_models_grammar_waits_for_the_end_of_its_thought",
 }
 

@@ -11,6 +11,8 @@ from tests.support.tiers import mark_folder, ray_modules
 # anew, engine processes.
 SLOW = ray_modules("engine") | {
     "test_async_engine.py",
+    "test_beam_search.py",  # transformers' beam search of the bundled model as the reference
+    "test_forks.py",
     "test_llm_e2e.py",
     "test_piecewise_graphs.py",
     "test_prompt_logprobs.py",
@@ -34,6 +36,8 @@ FAST = {
     "test_async_engine.py::test_output_deltas_rebuild_the_cumulative_outputs",
     "test_async_engine.py::test_prompt_logprobs_cross_once_and_stay_on_later_outputs",
     "test_async_engine.py::test_a_batch_of_metric_events_is_recorded_a_few_at_a_time",
+    "test_forks.py::test_block_copy_matches_the_reference",
+    "test_beam_search.py::test_a_beam_search_output_crosses_from_the_engine_process_with_its_logprob_sums",
     "test_piecewise_graphs.py::test_capture_sizes_bound_the_padding",
     "test_piecewise_graphs.py::test_prefill_cuda_graph_tokens_is_checked",
     "test_prompt_logprobs.py::test_prompt_logprobs_out_of_range_is_named",

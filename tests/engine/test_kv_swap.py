@@ -90,6 +90,39 @@ def test_a_request_aborted_while_swapped_out_leaves_no_block_behind(unpreempted)
     _check_all_free(llm)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_forked_samples_swapped_out_and_back_draw_what_they_draw_unpreempted(prefix_caching):
+    """n > 1 samples share their prompt's blocks (forks); swapping one out copies the shared
+    blocks and brings it back with blocks of its own, and the seeded draws do not change."""
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
+
+    def draws(llm: LLM) -> list[list[list[int]]]:
+        outs = llm.generate(PROMPTS[3:], sampled)
+        return [[c.token_ids for c in out.outputs] for out in outs]
+
+    keys = dict(TINY, enable_prefix_caching=prefix_caching)
+    reference = draws(LLM(**keys, num_gpu_blocks=400))
+    llm = LLM(**keys, num_gpu_blocks=40, **SWAP)
+    assert draws(llm) == reference
+    assert llm.engine.stats()["num_swap_outs"] > 0
+    _check_all_free(llm)
+
+
+def test_beam_searches_under_swap_pressure_find_the_unpreempted_beams():
+    from engine.beam_search import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True)
+
+    def beams(llm: LLM) -> list[list[list[int]]]:
+        return [[b.tokens for b in out.sequences] for out in llm.beam_search(PROMPTS, params)]
+
+    reference = beams(LLM(**TINY, num_gpu_blocks=400))
+    llm = LLM(**TINY, num_gpu_blocks=60, **SWAP)
+    assert beams(llm) == reference
+    assert llm.engine.stats()["num_swap_outs"] > 0
+    _check_all_free(llm)
+
+
 def _run_one(engine, request_id: str, prompt: list[int], cache_salt: str | None = None):
     engine.add_request(request_id, prompt, GREEDY, cache_salt=cache_salt)
     final = None

@@ -285,3 +285,95 @@ def test_bad_sizes_are_rejected():
         KVCacheManager(1, BLOCK_SIZE)
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(10, 0)
+
+
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_a_fork_shares_blocks_and_copies_the_partial_one_on_its_first_write(enable_caching):
+    manager = make_manager(num_blocks=11, enable_caching=enable_caching)
+    parent = make_request("parent", tokens(0, 10))  # [0-3] [4-7] and a partial [8, 9]
+    compute(manager, parent)
+    parent_ids = manager.get_block_ids(parent)
+    child = make_request("child", tokens(0, 10) + [77])
+    manager.fork(parent, child, 10)
+    manager.check_invariants()
+    assert child.num_computed_tokens == 10
+    assert manager.get_block_ids(child) == parent_ids
+    assert [manager.block_pool.blocks[i].ref_cnt for i in parent_ids] == [2, 2, 2]
+    assert manager.num_shared_blocks() == 3 and manager.usage == pytest.approx(3 / 10)
+    assert child.block_hashes == parent.block_hashes[:2]
+
+    # The child writes token 10 into the shared partial block: it gets a copy of its own.
+    assert manager.allocate_slots(child, 1) == []
+    child_ids = manager.get_block_ids(child)
+    assert child_ids[:2] == parent_ids[:2] and child_ids[2] not in parent_ids
+    assert manager.take_block_copies() == [(parent_ids[2], child_ids[2])]
+    assert manager.take_block_copies() == []
+    assert manager.num_shared_blocks() == 2
+    # The parent writes into its partial block, now its own again: no copy.
+    parent.num_computed_tokens = 10
+    assert manager.allocate_slots(parent, 1) == []
+    assert manager.block_copies == []
+
+    # A block goes back to the free queue only when its last holder frees it.
+    manager.free(parent)
+    assert [manager.block_pool.blocks[i].ref_cnt for i in parent_ids] == [1, 1, 0]
+    assert manager.num_free_blocks == 10 - 3
+    manager.free(child)
+    assert manager.usage == 0
+
+
+def test_a_fork_at_a_block_boundary_copies_nothing_and_needs_room_for_its_copy():
+    manager = make_manager(num_blocks=5)
+    parent = make_request("parent", tokens(0, 8))
+    compute(manager, parent)
+    child = make_request("child", tokens(0, 8) + [5])
+    manager.fork(parent, child, 8)
+    assert manager.allocate_slots(child, 1) is not None  # a fresh block, nothing shared
+    assert manager.block_copies == []
+    manager.free(child)
+
+    # A fork that must copy but finds no free block changes nothing.
+    other = make_request("other", tokens(0, 6) + [9])
+    manager.fork(parent, other, 6)
+    filler = make_request("filler", tokens(50, 8))
+    assert manager.allocate_slots(filler, 8) is not None  # the last 2 free blocks
+    assert manager.allocate_slots(other, 1) is None
+    assert manager.block_copies == [] and manager.num_shared_blocks() == 2
+    manager.check_invariants()
+
+
+def test_freeing_a_request_drops_the_copies_of_its_step():
+    manager = make_manager()
+    parent = make_request("parent", tokens(0, 6))
+    compute(manager, parent)
+    child = make_request("child", tokens(0, 6) + [1])
+    manager.fork(parent, child, 6)
+    manager.allocate_slots(child, 1)
+    assert len(manager.block_copies) == 1
+    manager.free(child)  # preempted before its step ran
+    assert manager.block_copies == []
+    manager.check_invariants()
+
+
+def test_fork_refuses_what_it_cannot_share():
+    manager = make_manager()
+    parent = make_request("parent", tokens(0, 6))
+    with pytest.raises(ValueError, match="holds no blocks"):
+        manager.fork(parent, make_request("c", tokens(0, 7)), 3)
+    compute(manager, parent, 4)
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 4\]"):
+        manager.fork(parent, make_request("c", tokens(0, 7)), 5)
+    manager.fork(parent, make_request("c", tokens(0, 7)), 4)
+    with pytest.raises(ValueError, match="already has blocks"):
+        manager.fork(parent, make_request("c", tokens(0, 7)), 4)
+
+
+def test_check_invariants_counts_every_holder_of_a_shared_block():
+    manager = make_manager()
+    parent = make_request("parent", tokens(0, 8))
+    compute(manager, parent)
+    manager.fork(parent, make_request("child", tokens(0, 9)), 8)
+    manager.check_invariants()
+    manager.block_pool.blocks[manager.get_block_ids(parent)[0]].ref_cnt = 1
+    with pytest.raises(AssertionError, match="held by 2 request"):
+        manager.check_invariants()

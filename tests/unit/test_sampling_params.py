@@ -144,3 +144,34 @@ def test_request_input_error_keeps_its_field_across_processes():
     assert isinstance(error, ValueError)
     assert (error.field, error.problem) == ("prompt", "token id 9 is out of range")
     assert str(error) == "prompt token id 9 is out of range"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"use_beam_search": 1}, "use_beam_search"),
+        ({"length_penalty": float("nan")}, "length_penalty"),
+        ({"length_penalty": "1"}, "length_penalty"),
+        ({"early_stopping": "sometimes"}, "early_stopping"),
+        ({"early_stopping": 1}, "early_stopping"),
+        ({"use_beam_search": True, "n": 11}, "n"),
+    ],
+)
+def test_beam_search_fields_are_checked_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_beam_search_defaults_and_what_it_ignores():
+    from engine.sampling_params import beam_search_ignored_fields
+
+    p = SamplingParams(use_beam_search=True, n=4)
+    assert (p.length_penalty, p.early_stopping) == (1.0, "never")
+    assert beam_search_ignored_fields(p) == []
+    assert beam_search_ignored_fields(SamplingParams(use_beam_search=True, temperature=0)) == []
+    p = SamplingParams(use_beam_search=True, temperature=0.7, top_p=0.9, seed=3, stop=["x"])
+    assert beam_search_ignored_fields(p) == ["temperature", "top_p", "seed", "stop"]
+    with pytest.raises(ValueError, match="structured_output"):
+        from engine.sampling_params import StructuredOutput
+
+        SamplingParams(use_beam_search=True, structured_output=StructuredOutput(regex="a"))

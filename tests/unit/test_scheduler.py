@@ -106,6 +106,9 @@ class FakeRunner:
             r.req_id for r in out.scheduled_new_reqs + out.scheduled_cached_reqs
         }
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        # Copy-on-write of forked blocks, before the forward (engine/worker/block_copy.py).
+        for src, dst in out.blocks_to_copy:
+            self.kv[dst] = dict(self.kv.get(src, {}))
 
         # Like every attention layer: write the whole batch's KV first, then attend.
         for req_id, n in out.num_scheduled_tokens.items():
@@ -146,9 +149,10 @@ def check_scheduler(scheduler: Scheduler) -> None:
     for request in swapped:  # swap_space: preempted with their computed tokens on the CPU
         assert request.status == RequestStatus.PREEMPTED and request.num_computed_tokens > 0
         assert kv.get_block_ids(request) == []
-    assert scheduler.get_num_unfinished_requests() == len(scheduler.running) + len(
-        scheduler.waiting
-    ) + len(swapped)
+    awaiting_fork = sum(len(s) for s in scheduler._awaiting_fork.values())
+    assert scheduler.get_num_unfinished_requests() == (
+        len(scheduler.running) + len(scheduler.waiting) + len(swapped) + awaiting_fork
+    )
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
@@ -714,3 +718,178 @@ def test_random_workload_matches_unscheduled_generation(seed):
             assert request.status == RequestStatus.FINISHED_LENGTH
             assert request.output_token_ids == want
     assert scheduler.kv_cache_manager.usage == 0
+
+
+def sample_of_index(req_id: str, token_ids: list[int]) -> int:
+    """Like next_token, but sample `r#i` of a request draws its own tokens: a sample that
+    wrote into its sibling's block would corrupt the sibling's KV."""
+    index = int(req_id.rsplit("#", 1)[1]) if "#" in req_id else 0
+    return 10 + (sum(token_ids[-3:]) * 31 + len(token_ids) + 7 * index) % 50
+
+
+def reference_sample(request: Request, num_tokens: int) -> list[int]:
+    token_ids = list(request.prompt_token_ids)
+    for _ in range(num_tokens):
+        token_ids.append(sample_of_index(request.request_id, token_ids))
+    return token_ids[request.num_prompt_tokens :]
+
+
+def add_samples(scheduler: Scheduler, prompt: list[int], n: int, name: str = "r", **params):
+    samples = [make_request(f"{name}#{i}", prompt, **params) for i in range(n)]
+    for sample in samples:
+        scheduler.add_request(
+            sample, fork_of=None if sample is samples[0] else samples[0].request_id
+        )
+    return samples
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+@pytest.mark.parametrize("prompt_len", [9, 10, 8])
+def test_samples_fork_the_first_samples_prompt_blocks(enable_prefix_caching, prompt_len):
+    scheduler = make_scheduler(enable_prefix_caching=enable_prefix_caching)
+    runner = FakeRunner(sample_of_index)
+    prompt = list(range(20, 20 + prompt_len))
+    samples = add_samples(scheduler, prompt, 4, max_tokens=3)
+    out, _ = step(scheduler, runner)
+    assert list(out.num_scheduled_tokens) == ["r#0"]  # the others wait for its prompt
+    out, _ = step(scheduler, runner)
+    # Each fork computes only the prompt's last token, beside the first sample's decode.
+    assert out.num_scheduled_tokens == {"r#0": 1, "r#1": 1, "r#2": 1, "r#3": 1}
+    kv = scheduler.kv_cache_manager
+    # The full blocks before the last prompt token's are shared by all four: held once.
+    num_shared = (prompt_len - 1) // BLOCK_SIZE
+    tables = [kv.get_block_ids(s) for s in samples]
+    assert all(t[:num_shared] == tables[0][:num_shared] for t in tables)
+    # The block of the last prompt token: copied for each fork when it holds earlier tokens.
+    partial = (prompt_len - 1) % BLOCK_SIZE != 0
+    assert len(out.blocks_to_copy) == (3 if partial else 0)
+    assert kv.num_shared_blocks() == num_shared
+    # The first sample's blocks (its decode may have opened one more) plus each fork's own.
+    first_blocks = cdiv_(prompt_len + 1, BLOCK_SIZE)
+    fork_blocks = cdiv_(prompt_len, BLOCK_SIZE) - num_shared
+    assert kv.usage * kv.block_pool.num_usable_blocks == first_blocks + 3 * fork_blocks
+    run_to_completion(scheduler, runner)
+    for sample in samples:
+        assert sample.output_token_ids == reference_sample(sample, 3)
+    assert kv.usage == 0
+
+
+def cdiv_(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def test_samples_whose_first_sample_finishes_before_they_fork_compute_their_prompt():
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    runner = FakeRunner(sample_of_index)
+    samples = add_samples(scheduler, list(range(30, 39)), 3, max_tokens=1)
+    # The first sample's one token ends it when its prompt step completes: in a synchronous
+    # loop that is before the next schedule, so the others admit as new requests.
+    run_to_completion(scheduler, runner)
+    for sample in samples:
+        assert sample.output_token_ids == reference_sample(sample, 1)
+
+
+def test_aborting_one_sample_leaves_the_others_and_frees_only_its_blocks():
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    runner = FakeRunner(sample_of_index)
+    samples = add_samples(scheduler, list(range(40, 51)), 3, max_tokens=6)
+    step(scheduler, runner)
+    step(scheduler, runner)
+    shared = scheduler.kv_cache_manager.get_block_ids(samples[0])[:2]
+    scheduler.finish_requests("r#1", RequestStatus.FINISHED_ABORTED)
+    check_scheduler(scheduler)
+    assert [scheduler.kv_cache_manager.block_pool.blocks[b].ref_cnt for b in shared] == [2, 2]
+    # Aborting a sample that still waits to fork.
+    late = add_samples(scheduler, list(range(60, 70)), 2, name="q", max_tokens=6)
+    scheduler.finish_requests("q#1", RequestStatus.FINISHED_ABORTED)
+    check_scheduler(scheduler)
+    run_to_completion(scheduler, runner)
+    for sample in (samples[0], samples[2], late[0]):
+        assert sample.output_token_ids == reference_sample(sample, 6)
+    assert scheduler.kv_cache_manager.usage == 0
+
+
+def test_a_forked_request_continues_its_parent_and_shares_its_blocks():
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    runner = FakeRunner()
+    parent = make_request("p", list(range(10, 20)), max_tokens=20)
+    scheduler.add_request(parent)
+    step(scheduler, runner)
+    assert parent.num_computed_tokens == 10 and parent.num_output_tokens == 1
+    # Two continuations of the parent's computed tokens, each with another next token.
+    children = []
+    for i, token in enumerate((33, 44)):
+        child = make_request(f"c{i}", list(range(10, 20)) + [token], max_tokens=3)
+        scheduler.fork_request(parent, child)
+        children.append(child)
+    scheduler.finish_requests("p", RequestStatus.FINISHED_ABORTED)
+    check_scheduler(scheduler)
+    out, _ = step(scheduler, runner)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["c0", "c1"]
+    assert out.num_scheduled_tokens == {"c0": 1, "c1": 1}
+    assert len(out.blocks_to_copy) == 1  # the first copies, the second keeps the block
+    run_to_completion(scheduler, runner)
+    for child in children:
+        assert child.output_token_ids == reference_outputs(child, 3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_of_forked_samples_matches_unscheduled_generation(seed):
+    rng = random.Random(seed)
+    scheduler = make_scheduler(
+        num_blocks=rng.randint(11, 16),
+        max_num_batched_tokens=rng.choice([8, 16, 32]),
+        max_num_seqs=rng.randint(4, 8),
+        max_model_len=40,
+        enable_prefix_caching=seed % 2 == 0,
+    )
+    runner = FakeRunner(sample_of_index)
+    groups, aborted = [], set()
+    for i in range(30):
+        if rng.random() < 0.5:
+            prompt = [rng.randint(10, 59) for _ in range(rng.randint(1, 18))]
+            samples = add_samples(
+                scheduler,
+                prompt,
+                rng.randint(1, 4),
+                name=f"g{i}",
+                arrival_time=float(i),
+                max_tokens=rng.randint(1, 22),
+            )
+            groups.append(samples)
+        if groups and rng.random() < 0.1:
+            victim = rng.choice(rng.choice(groups))
+            if not victim.is_finished:
+                aborted.add(victim.request_id)
+            scheduler.finish_requests([victim.request_id], RequestStatus.FINISHED_ABORTED)
+            check_scheduler(scheduler)
+        step(scheduler, runner)
+    run_to_completion(scheduler, runner)
+    for sample in (s for g in groups for s in g):
+        want = reference_sample(sample, sample.sampling_params.max_tokens)
+        want = want[: 40 - sample.num_prompt_tokens]
+        if sample.request_id in aborted:
+            assert sample.output_token_ids == want[: sample.num_output_tokens]
+        else:
+            assert sample.output_token_ids == want
+    assert scheduler.kv_cache_manager.usage == 0
+    assert scheduler.num_preemptions > 0  # forks run short of blocks and get preempted
+
+
+def test_preempting_a_forked_sample_keeps_the_blocks_the_others_hold():
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    runner = FakeRunner(sample_of_index)
+    samples = add_samples(scheduler, list(range(20, 31)), 3, max_tokens=8)
+    step(scheduler, runner)
+    step(scheduler, runner)
+    kv = scheduler.kv_cache_manager
+    shared = kv.get_block_ids(samples[0])[:2]
+    assert [kv.block_pool.blocks[b].ref_cnt for b in shared] == [3, 3]
+    scheduler._preempt(samples[2])  # as the scheduler does when blocks run out
+    check_scheduler(scheduler)
+    assert [kv.block_pool.blocks[b].ref_cnt for b in shared] == [2, 2]
+    assert samples[2] in scheduler.waiting and kv.get_block_ids(samples[2]) == []
+    run_to_completion(scheduler, runner)
+    for sample in samples:
+        assert sample.output_token_ids == reference_sample(sample, 8)
+    assert kv.usage == 0
