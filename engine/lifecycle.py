@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.arg_aliases import resolve_aliases
 from engine.config import EngineArgs, UsageContext
 from engine.executor import UniProcExecutor
 from engine.input_processor import load_tokenizer_for
@@ -117,7 +118,9 @@ class ModelLifecycle:
             raise ValueError("this engine was not built from engine arguments (from_engine_args)")
         old_args = self.engine_args
         keys = dict(old_args) | MODEL_OWN_KEYS | {"model": model, "load_format": load_format}
-        args = EngineArgs(**(keys | engine_args))
+        # Other names (max_batch_size) as their keys first, so that they replace the old value.
+        given = resolve_aliases(engine_args, EngineArgs.model_fields)
+        args = EngineArgs(**(keys | given))
         self._check_loadable(args)
         executor_class = type(self.executor)
         metrics = self.metrics

@@ -122,6 +122,9 @@ def test_a_whole_switch_to_another_size_equals_a_fresh_engine(checkpoints, fresh
     assert llm.engine.hf_config.num_hidden_layers == 3
     assert tokens(llm) == fresh["wide"]
     assert llm.engine.config.scheduler_config.max_model_len == 128  # the engine keys stay
+    llm.load_model(checkpoints["wide"], max_batch_size=2)  # keys given replace them, by any name
+    assert llm.engine.config.scheduler_config.max_num_seqs == 2
+    assert tokens(llm) == fresh["wide"]
     llm.load_model(checkpoints["a"])
     assert tokens(llm) == fresh["a"]
 
