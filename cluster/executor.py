@@ -268,6 +268,9 @@ class RayActorGroupExecutor(Executor):
     def freeze_worker_heaps(self) -> None:
         self._get([w.freeze_startup_heap.remote() for w in self.workers])
 
+    def collective_rpc(self, method: str, *args: Any) -> list:
+        return self._get([w.collective_rpc.remote(method, *args) for w in self.workers])
+
     def step_weight_bytes(self) -> int:
         sizes = self._get([w.weight_bytes.remote() for w in self.workers])
         tp = self.tp_size

@@ -33,7 +33,7 @@ def worker_runtime_env() -> dict[str, Any] | None:
     return {"env_vars": env} if env else None
 
 
-@ray.remote(concurrency_groups={"health": 1})
+@ray.remote(concurrency_groups={"health": 1, "control": 1})
 class RayWorker:
     """Hosts one rank's `engine.worker.worker.Worker` in its own process."""
 
@@ -122,6 +122,12 @@ class RayWorker:
     @ray.method(concurrency_group="health")
     def freeze_startup_heap(self) -> None:
         freeze_startup_heap()
+
+    # Off the default group, which the compiled graph's loop holds; called with no step in flight.
+    @ray.method(concurrency_group="control")
+    def collective_rpc(self, method: str, *args: Any) -> Any:
+        """`Worker.<method>(*args)` on this rank (Executor.collective_rpc)."""
+        return getattr(self.worker, method)(*args)
 
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:

@@ -136,6 +136,14 @@ class CacheConfig(_Frozen):
     0: off. Refused at start when the ranks together would pin more than 70% of the host's
     memory (SWAP_SPACE_HOST_FRACTION)."""
 
+    weight_cache_gb: float = Field(default=0, ge=0, allow_inf_nan=False)
+    """GiB of host memory per rank (pinned on a GPU) that keep recently used models'
+    weights: the one switched away from by `load_model`, and level-1 sleep's copy; a switch
+    back or a wake-up is then a copy to the device, not a checkpoint read
+    (engine/worker/weight_cache.py). Least recently used models go first. 0: off (level-1
+    sleep still keeps its own copy). Refused at start when it and swap_space, all ranks
+    together, would pin more than 70% of the host's memory (SWAP_SPACE_HOST_FRACTION)."""
+
 
 class SchedulerConfig(_Frozen):
     max_num_seqs: int = Field(default=256, gt=0)
@@ -443,6 +451,7 @@ class EngineArgs(_EngineArgsFields):
                 SERVER_PREFILL_TOKENS_WITH_DECODES if usage_context == "server" else 0
             )
         check_swap_space(self.swap_space, self.world_size)
+        check_weight_cache(self.weight_cache_gb, self.swap_space, self.world_size)
         runner_args: dict[str, Any] = {"enforce_eager": self.enforce_eager}
         if self.prefill_cuda_graph_tokens is not None:
             runner_args["prefill_cuda_graph_tokens"] = self.prefill_cuda_graph_tokens
@@ -503,6 +512,25 @@ def check_swap_space(swap_space: float, num_ranks: int, total: int | None = None
             f"swap_space={swap_space} GiB x {num_ranks} rank(s) = {wanted / 2**30:.1f} GiB of "
             f"pinned memory is more than {SWAP_SPACE_HOST_FRACTION:.0%} of this host's "
             f"{total / 2**30:.1f} GiB: lower swap_space"
+        )
+
+
+def check_weight_cache(
+    weight_cache_gb: float, swap_space: float, num_ranks: int, total: int | None = None
+) -> None:
+    """ValueError naming weight_cache_gb when it and swap_space together, x num_ranks, would
+    pin more than SWAP_SPACE_HOST_FRACTION of the host's memory (`total` bytes, read when
+    None)."""
+    if weight_cache_gb == 0:
+        return
+    total = host_memory_bytes() if total is None else total
+    wanted = (weight_cache_gb + swap_space) * num_ranks * 2**30
+    if wanted > SWAP_SPACE_HOST_FRACTION * total:
+        raise ValueError(
+            f"weight_cache_gb={weight_cache_gb} GiB (+ swap_space={swap_space} GiB) x "
+            f"{num_ranks} rank(s) = {wanted / 2**30:.1f} GiB of pinned memory is more than "
+            f"{SWAP_SPACE_HOST_FRACTION:.0%} of this host's {total / 2**30:.1f} GiB: lower "
+            "weight_cache_gb"
         )
 
 

@@ -72,6 +72,11 @@ class Executor(ABC):
         """Every rank that runs in a process of its own freezes its start-up heap
         (engine/observability/gc_pauses.py); the engine's own process is left to whoever owns it."""
 
+    def collective_rpc(self, method: str, *args) -> list:
+        """Call `Worker.<method>(*args)` on every rank, in rank order; raises the first
+        rank's error. The model lifecycle (engine/lifecycle.py) runs through it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot call its workers' methods")
+
     def step_weight_bytes(self) -> int:
         """Weight bytes one decode step streams on its critical path: the largest
         tensor-parallel shard of each pipeline stage, summed over stages."""
@@ -112,6 +117,9 @@ class UniProcExecutor(Executor):
 
     def step_weight_bytes(self) -> int:
         return self.worker.weight_bytes()
+
+    def collective_rpc(self, method: str, *args) -> list:
+        return [getattr(self.worker, method)(*args)]
 
     def warn_of_late_kernel_variants(self) -> None:
         self.worker.warn_of_late_kernel_variants()

@@ -41,6 +41,37 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
+    # -- the model lifecycle (engine/lifecycle.py) ---------------------------------------
+
+    def load_model(
+        self,
+        model: str | None,
+        weights_only: bool = False,
+        load_format: str = "auto",
+        **engine_args: Any,
+    ) -> None:
+        """Serve another model from now on, without a new LLM. weights_only=True: a
+        checkpoint of the same architecture and shapes replaces the weights in place (KV
+        cache and CUDA graphs kept); otherwise any model, the engine rebuilt for it with
+        this LLM's engine keys (and `engine_args`). A failed load leaves the old model
+        serving. Details: `LLMEngine.load_model`."""
+        self.engine.load_model(model, weights_only, load_format, **engine_args)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device's memory until wake_up(): level 1 keeps the weights in host
+        memory, level 2 drops them; both free the KV cache. generate() is refused meanwhile."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; False while a request holds blocks."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -29,6 +29,7 @@ from engine.generation_config import (
     read_generation_defaults,
 )
 from engine.input_processor import InputProcessor, check_request_id, load_tokenizer_for
+from engine.lifecycle import ModelLifecycle
 from engine.observability.metrics import EngineMetrics, MetricsSink
 from engine.output_processor import OutputProcessor, ParentRequest, fan_out
 from engine.outputs import RequestOutput
@@ -40,7 +41,9 @@ from engine.worker.warmup import warm_up_requests
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(ModelLifecycle):
+    """Steps requests through one model; switching and sleeping it: engine/lifecycle.py."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -155,7 +158,9 @@ class LLMEngine:
         resolved = args.model_copy(update={"model": str(source.path)})
         config = resolved.create_engine_config(hf_config, usage_context)
         tok = load_tokenizer_for(source, args.tokenizer, args.tokenizer_mode)
-        return cls(config, hf_config, source, tok)
+        engine = cls(config, hf_config, source, tok)
+        engine.engine_args, engine.usage_context = args, usage_context
+        return engine
 
     # -- requests -------------------------------------------------------------------------
 
@@ -177,6 +182,7 @@ class LLMEngine:
         """Queue a request; ValueError for input the engine cannot serve. `grammar`: the one
         `compile_grammar` returned for its structured_output (else it is compiled here).
         Returns the request's output as taken: its prompt, no tokens yet."""
+        self.check_awake()
         check_request_id(request_id)
         if sampling_params.use_beam_search:
             self.output_processor.check_id_free(request_id, 1)

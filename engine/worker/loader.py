@@ -118,19 +118,7 @@ def load_model(
     attention kernels have no window). quant_config: how the linear layers hold their weights
     (engine.layers.quantization.build_quant_config); None: 16-bit.
     """
-    model_cls = get_model_class(architectures_of(hf_config))
-    device = torch.device(device)
-    with _default_dtype(dtype), device:
-        if quant_config is None:
-            model = model_cls(hf_config)
-        else:
-            model = model_cls(hf_config, quant_config=quant_config)
-    window = getattr(model, "sliding_window", None)
-    if max_model_len is not None and window is not None and max_model_len > window:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, which "
-            f"is not implemented; use max_model_len <= {window}"
-        )
+    model = build_model(hf_config, dtype, device, max_model_len, quant_config)
     with torch.no_grad():
         if source.kind == "dummy":
             init_dummy_weights(model, hf_config, seed)
@@ -148,6 +136,30 @@ def load_model(
                 _check_all_loaded(model, loaded, str(path))
         _prepare_quantized_layers(model)
     return model.eval()
+
+
+def build_model(
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_model_len: int | None = None,
+    quant_config: QuantConfig | None = None,
+) -> nn.Module:
+    """The registry's class for hf_config on `device` in `dtype`, its weights not filled."""
+    model_cls = get_model_class(architectures_of(hf_config))
+    device = torch.device(device)
+    with _default_dtype(dtype), device:
+        if quant_config is None:
+            model = model_cls(hf_config)
+        else:
+            model = model_cls(hf_config, quant_config=quant_config)
+    window = getattr(model, "sliding_window", None)
+    if max_model_len is not None and window is not None and max_model_len > window:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, which "
+            f"is not implemented; use max_model_len <= {window}"
+        )
+    return model
 
 
 def _prepare_quantized_layers(model: nn.Module) -> None:

@@ -26,7 +26,6 @@ from engine.distributed import (
 from engine.forward_context import forward_context
 from engine.generation_config import config_eos_token_id
 from engine.layers.attention import attention_layers, bind_kv_caches
-from engine.layers.quantization import build_quant_config
 from engine.worker.block_copy import copy_blocks
 from engine.worker.cuda_graphs import DecodeCudaGraphs
 from engine.worker.host_staging import HostToDevice
@@ -39,7 +38,7 @@ from engine.worker.kv_memory import (
     profile_batch,
 )
 from engine.worker.kv_swap import KVSwapSpace, create_swap_space, swap_space_info
-from engine.worker.loader import ModelSource, load_model
+from engine.worker.loader import ModelSource
 from engine.worker.piecewise_graphs import PiecewiseCudaGraphs
 from engine.worker.request_states import CachedRequestState, RequestStates
 from engine.worker.sampled_tokens import PendingRunnerOutput, SamplesInFlight
@@ -51,6 +50,7 @@ from engine.worker.sampler import (
     sample_on_device,
 )
 from engine.worker.step_inputs import BatchInputs, build_batch_inputs
+from engine.worker.weight_lifecycle import WeightLifecycle
 from kernels import use_triton
 
 INTERMEDIATE_KEYS = ["hidden_states", "residual"]
@@ -87,6 +87,8 @@ class ModelRunner:
         self.cuda_graphs: DecodeCudaGraphs | None = None
         self.piecewise_graphs: PiecewiseCudaGraphs | None = None
         self._in_flight = SamplesInFlight()
+        self.weights = WeightLifecycle(self)
+        """Weights switched in place, sleep and wake, the weight cache (weight_lifecycle.py)."""
         self._h2d = HostToDevice(device)
         self.eos_token_id: int | None = config_eos_token_id(hf_config)
         self.is_first_stage = get_pp_rank() == 0
@@ -101,17 +103,7 @@ class ModelRunner:
     def load_model(self, source: ModelSource) -> None:
         if self.device.type == "cuda":
             self._non_torch_at_start = non_torch_bytes(self.device)
-        self.model = load_model(
-            source,
-            self.hf_config,
-            self.dtype,
-            self.device,
-            seed=self.config.model.seed,
-            max_model_len=self.config.scheduler_config.max_model_len,
-            quant_config=build_quant_config(
-                self.config.model.quantization, self.hf_config, source.path, self.device
-            ),
-        )
+        self.model = self.weights.load(source)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -178,6 +170,16 @@ class ModelRunner:
 
             layer = attention_layers(self.model)[0]
             warm_up_decode(self.kv_caches[0], layer.num_heads, layer.scale, self.dtype)
+
+    def free_kv_cache(self) -> int:
+        """Drop the KV tensors, the CPU pool and the CUDA graphs captured over them (sleep, or
+        a model torn down); returns the blocks there were, for init_kv_cache on wake-up."""
+        num_blocks = self.kv_caches[0].shape[1] if self.kv_caches else 0
+        if self.model is not None:
+            bind_kv_caches(self.model, [None] * len(attention_layers(self.model)))
+        self.kv_caches = []
+        self.kv_swap = self.cuda_graphs = self.piecewise_graphs = None
+        return num_blocks
 
     def kv_swap_info(self) -> dict[str, float] | None:
         """The CPU pool's blocks and, for preemption_mode="auto", its measured copy and

@@ -11,6 +11,16 @@ from engine.observability.step_profiler import StepProfiler
 from engine.worker.loader import ModelSource
 from engine.worker.model_runner import ModelRunner, PendingRunnerOutput
 
+LIFECYCLE_METHODS = (
+    "stage",
+    "commit",
+    "discard",
+    "keep_in_cache",
+    "sleep",
+    "wake_up",
+    "release_memory",
+)
+
 
 class Worker:
     def __init__(
@@ -64,6 +74,19 @@ class Worker:
             return self.runner.execute_model_async(scheduler_output)
         finally:
             self.profiler.after_step()
+
+    def lifecycle(self, method: str, *args) -> None:
+        """Run one of the model lifecycle's steps on this rank (engine/worker/weight_lifecycle.py:
+        stage, commit, discard, keep_in_cache, sleep, wake_up, release_memory); the executor
+        calls it on every rank (Executor.collective_rpc)."""
+        if method not in LIFECYCLE_METHODS:
+            raise ValueError(
+                f"method must be one of {', '.join(LIFECYCLE_METHODS)}, got {method!r}"
+            )
+        self._use_device()
+        getattr(self.runner.weights, method)(*args)
+        if method == "commit":
+            self.source = self.runner.weights.source
 
     def _use_device(self) -> None:
         # The current CUDA device is per thread, and a caller may reach this rank from

@@ -28,6 +28,7 @@ SLOW = ray_modules("engine") | {
     "test_gguf_quantized.py::test_the_bundled_q4_1_file_kept_quantized_gives_the_dequantized_logits",
     "test_gguf_quantized.py::test_llm_serves_the_bundled_gguf_kept_quantized",
     "test_models.py::test_tensor_parallel_two_ranks_match_transformers",  # two processes
+    "test_model_lifecycle.py::test_the_bundled_model_switched_in_place_equals_a_fresh_engine",
     "test_tokenizer.py::test_encode_text_with_truncation_set_on_the_backend_still_encodes_everything",
 }
 # The tests of those modules that need no engine.

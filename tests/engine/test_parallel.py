@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 import ray
+import torch
 
 from cluster.executor import RayActorGroupExecutor, WorkerDiedError
 from engine import LLM, SamplingParams
@@ -245,3 +246,73 @@ def test_tp2_pp2_swapping_under_pressure_equals_tp1(ray_instance, tiny):
         assert offload.pool.num_free + len(offload.pool.tier) == offload.pool.num_blocks
     finally:
         llm.engine.shutdown()
+
+
+def _changed_copy(path: str, folder, **replace) -> str:
+    """The checkpoint at `path` with every matrix scaled by 1.5 (other tokens, same shapes),
+    and the tensors of `replace` (dots as double underscores) instead of its own."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text((Path(path) / "config.json").read_text())
+    tensors = {
+        k: v * 1.5 if v.dim() == 2 else v
+        for k, v in load_file(Path(path) / "model.safetensors").items()
+    }
+    tensors |= {k.replace("__", "."): v for k, v in replace.items()}
+    save_file(tensors, folder / "model.safetensors")
+    return str(folder)
+
+
+def test_pp2_load_weights_sleep_and_wake_on_every_rank(ray_instance, tiny, tmp_path):
+    """Every rank stages, then commits its part; a mismatch on one stage's rank leaves both
+    serving the old weights; sleep and wake run on every rank (tensor-parallel ranks: the
+    compiled-graph test below)."""
+    path, want, _ = tiny
+    other = _changed_copy(path, tmp_path / "other")
+    wrong = _changed_copy(
+        path, tmp_path / "wrong", model__layers__3__mlp__up_proj__weight=torch.zeros(80, 64)
+    )
+    reference = LLM(other, **TINY_ARGS)
+    want_other = _tokens(reference, TOKEN_PROMPTS)
+    reference.engine.shutdown()
+    assert want_other != want
+    llm = LLM(
+        path,
+        **TINY_ARGS,
+        **RAY_GROUP,
+        pipeline_parallel_size=2,
+        weight_cache_gb=0.01,
+    )
+    try:
+        llm.load_model(other, weights_only=True)
+        assert _tokens(llm, TOKEN_PROMPTS) == want_other
+        # Only the second stage holds layer 3: it refuses, and the first stage's staged
+        # weights are discarded.
+        with pytest.raises(ValueError, match=r"layers.3.mlp.up_proj.weight.*\(80, 64\)"):
+            llm.load_model(wrong, weights_only=True)
+        assert _tokens(llm, TOKEN_PROMPTS) == want_other
+        llm.load_model(path, weights_only=True)  # from every rank's weight cache
+        assert _tokens(llm, TOKEN_PROMPTS) == want
+        llm.sleep(2)  # level 1 on ranks: the compiled-graph test below
+        llm.wake_up()  # from every rank's weight cache
+        assert _tokens(llm, TOKEN_PROMPTS) == want
+    finally:
+        llm.engine.shutdown()
+
+
+def test_compiled_graph_ranks_load_weights_beside_the_graphs_loop(ray_instance, tiny, tmp_path):
+    path, want, _ = tiny
+    other = _changed_copy(path, tmp_path / "other")
+    engine = _engine(path, use_compiled_graph=True, **TINY_ARGS, tensor_parallel_size=2)
+    try:
+        assert _engine_tokens(engine, TOKEN_PROMPTS) == want
+        engine.load_model(other, weights_only=True)
+        engine.load_model(path, weights_only=True)
+        engine.sleep(1)
+        engine.wake_up()
+        assert _engine_tokens(engine, TOKEN_PROMPTS) == want
+    finally:
+        engine.shutdown()

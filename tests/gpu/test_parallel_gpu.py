@@ -114,3 +114,40 @@ def _peer_all_reduce_rank(rank: int, port: int) -> None:
 
 def test_peer_memory_all_reduce_equals_nccl():
     mp.start_processes(_peer_all_reduce_rank, args=(free_port(),), nprocs=2, start_method="spawn")
+
+
+def test_tp2_weights_switch_sleep_and_wake_on_both_gpus(tiny, tmp_path):
+    """The model lifecycle on both ranks beside the compiled graph's loop: weights copied in
+    place under captured CUDA graphs, then sleep and a wake-up that captures them again (on
+    each rank's control thread, while the graph's loop idles)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((Path(tiny) / "config.json").read_text())
+    tensors = load_file(Path(tiny) / "model.safetensors")
+    save_file(
+        {k: v * 1.5 if v.dim() == 2 else v for k, v in tensors.items()}, other / "model.safetensors"
+    )
+    want, want_other = _tokens(tiny, dtype="float32"), _tokens(str(other), dtype="float32")
+    llm = LLM(
+        tiny,
+        max_model_len=128,
+        gpu_memory_utilization=0.3,
+        dtype="float32",
+        tensor_parallel_size=2,
+        distributed_executor_backend=RayActorGroupExecutor,
+        weight_cache_gb=1,
+    )
+    try:
+        llm.load_model(str(other), weights_only=True)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want_other
+        llm.load_model(tiny, weights_only=True)
+        for level in (1, 2):
+            llm.sleep(level)
+            llm.wake_up()
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    finally:
+        llm.engine.shutdown()

@@ -16,13 +16,11 @@ Pass today:
   --request-timeout 300 --tokenizer-mode slow`), `--skip-special-tokens` accepted (every
   request's default) and `--skip-special-tokens false` refused naming the request field;
 - `OpenAI(base_url=..., timeout=30.0)` and the server's documented 408 past its time limit;
+- `llm.load_model(..., weights_only=True)` (the same checkpoint again: the same tokens);
 - `SamplingParams(temperature=0.7, top_p=0.9, length_penalty=1.0, use_beam_search=True)`: a
   beam search of width n, the fields it ignores named in a warning;
 - the gRPC `service InferenceService { rpc Generate (GenerateRequest) returns
   (GenerateResponse); }` (package kvray.v1; called end to end in tests/serve).
-
-Expected to fail until their feature lands (`xfail(strict=True)`: a pass fails the run, and
-the mark must go): `llm.load_model(..., weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -73,6 +71,27 @@ def test_offline_generation_with_tensor_parallel_size(llm):
     outputs = llm.generate([PROMPT], SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS))
     assert llm.engine.config.parallel_config.tensor_parallel_size == 1
     assert outputs[0].outputs[0].text and len(outputs[0].outputs[0].token_ids) <= MAX_TOKENS
+
+
+def test_load_model_weights_only(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    before = llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
+    llm.load_model(MODEL_PATH, weights_only=True)
+    assert llm.generate([PROMPT], greedy)[0].outputs[0].token_ids == before
+
+
+def test_beam_search(llm, caplog):
+    # As the guide writes it: a beam search of width n (1 here), the sampling fields it
+    # ignores named in a warning.
+    params = SamplingParams(temperature=0.7, top_p=0.9, length_penalty=1.0, use_beam_search=True)
+    with caplog.at_level("WARNING"):
+        guided = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    assert "ignores temperature, top_p" in caplog.text
+    greedy = SamplingParams(temperature=0, max_tokens=params.max_tokens)
+    assert guided == llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
+    wide = SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=MAX_TOKENS)
+    beams = [c.token_ids for c in llm.generate([PROMPT], wide)[0].outputs]
+    assert len(beams) == 4 and len({tuple(b) for b in beams}) == 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the form: the gpu test")
@@ -205,28 +224,6 @@ def test_a_request_past_the_servers_time_limit_is_the_documented_408(engine):
     assert seen.value.status_code == 408
     assert seen.value.body["code"] == "request_timeout"
     assert seen.value.body["type"] == "TimeoutError"
-
-
-@pytest.mark.xfail(
-    strict=True, raises=AttributeError, reason="needs LLM.load_model (weights only, no restart)"
-)
-def test_load_model_weights_only(llm):
-    llm.load_model(MODEL_PATH, weights_only=True)
-    assert llm.generate([PROMPT], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
-
-
-def test_beam_search(llm, caplog):
-    # As the guide writes it: a beam search of width n (1 here), the sampling fields it
-    # ignores named in a warning.
-    params = SamplingParams(temperature=0.7, top_p=0.9, length_penalty=1.0, use_beam_search=True)
-    with caplog.at_level("WARNING"):
-        guided = llm.generate([PROMPT], params)[0].outputs[0].token_ids
-    assert "ignores temperature, top_p" in caplog.text
-    greedy = SamplingParams(temperature=0, max_tokens=params.max_tokens)
-    assert guided == llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
-    wide = SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=MAX_TOKENS)
-    beams = [c.token_ids for c in llm.generate([PROMPT], wide)[0].outputs]
-    assert len(beams) == 4 and len({tuple(b) for b in beams}) == 4
 
 
 def test_the_grpc_service_is_the_guides_inference_service():
