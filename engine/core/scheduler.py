@@ -9,35 +9,37 @@ that carries decodes stays short, so one arriving prompt holds the streams up br
 (unless a whole step's worth of prompt tokens waits: then the queue comes first).
 A request samples a token when a step brings it to the end of its known tokens.
 
-Forks. The samples of a request with n > 1 share its prompt's KV: the first sample
-computes the prompt, and each other one waits until it has (`_awaiting_fork`), then
-forks its blocks and recomputes only the prompt's last token, whose logits it samples
-from (the last block, partial, is copied first: kv_cache.py's copy-on-write). A beam
-(engine/beam_search.py) forks its parent's blocks the same way (`fork_request`). A forked
-request the workers have not seen yet goes to them as a new request; the copies to make
-go with the step (`SchedulerOutput.blocks_to_copy`).
+Forks (scheduler_forks.py): the samples of a request with n > 1 share its prompt's KV, and
+beams their parent's. A forked request the workers have not seen yet goes to them as a new
+request; the copies to make go with the step (`SchedulerOutput.blocks_to_copy`). Swaps and
+the prefix cache's CPU tier: kv_offload.py, which decides; the scheduler only asks it.
+
+Longer than most modules: one step's decisions (running first, preemption, admission,
+resumption from the CPU pool) read the same queues and budget, and split across files they
+would hand those back and forth.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache import KVCacheManager
 from engine.core.kv_offload import KVOffload, OffloadSettings
 from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_forks import SampleForks
 from engine.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from engine.core.step_budget import StepBudget
 from engine.sampling_params import RequestInputError
 
 
-class Scheduler:
+class Scheduler(SampleForks):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -110,36 +112,8 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already scheduled")
         self.check_request(request)
         self.requests[request.request_id] = request
-        leader = None if fork_of is None else self.requests.get(fork_of)
-        if leader is not None and leader.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
-            same = (leader.prompt_token_ids, leader.cache_salt) == (
-                request.prompt_token_ids,
-                request.cache_salt,
-            )
-            if not same:
-                raise ValueError(f"request {request.request_id!r} forks another prompt or salt")
-            self._awaiting_fork.setdefault(fork_of, []).append(request)
-        else:
+        if fork_of is None or not self._await_fork(request, fork_of):
             self._add_waiting(request)
-
-    def fork_request(self, parent: Request, child: Request) -> None:
-        """Add `child`, whose tokens continue `parent`'s computed ones, sharing the parent's
-        blocks: it computes only its tokens past them. A parent that holds no computed KV
-        (preempted, waiting) gives nothing to share: the child is queued as a new request."""
-        if child.request_id in self.requests:
-            raise ValueError(f"request_id {child.request_id!r} is already scheduled")
-        if child.num_tokens <= parent.num_computed_tokens:
-            raise ValueError("a forked request needs a token past its parent's computed ones")
-        self.check_request(child)
-        self.requests[child.request_id] = child
-        kv = self.kv_cache_manager
-        if parent.status != RequestStatus.RUNNING or parent.num_computed_tokens == 0:
-            self._add_waiting(child)
-            return
-        kv.fork(parent, child, parent.num_computed_tokens)
-        child.status = RequestStatus.RUNNING
-        child.num_cached_tokens = parent.num_cached_tokens
-        self.running.append(child)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string); unknown or finished ids are skipped."""
@@ -153,15 +127,6 @@ class Scheduler:
                 continue
             self._dequeue(request)
             self._finish(request, status)
-
-    def _stop_awaiting_fork(self, request: Request) -> bool:
-        for leader_id, samples in self._awaiting_fork.items():
-            if request in samples:
-                samples.remove(request)
-                if not samples:
-                    del self._awaiting_fork[leader_id]
-                return True
-        return False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self._awaiting_fork or self._swapped())
@@ -212,7 +177,7 @@ class Scheduler:
         return 1.0 - sum(r.num_computed_tokens for r in self.running) / num_slots
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepBudget(
+        step = StepBudget(
             tokens=self.config.max_num_batched_tokens,
             prefill_tokens=self._prefill_budget(),
             max_seqs=self._max_seqs_this_step(),
@@ -252,7 +217,7 @@ class Scheduler:
                 request.num_output_placeholders += 1  # this step samples its next token
         return output
 
-    def _schedule_running(self, step: _StepBudget) -> None:
+    def _schedule_running(self, step: StepBudget) -> None:
         """Give the running requests their tokens in order, preempting from the back of the
         queue (the policy's victim) when blocks run out."""
         kv = self.kv_cache_manager
@@ -288,52 +253,7 @@ class Scheduler:
             step.new_block_ids[request.request_id] = block_ids
             i += 1
 
-    def _fork_samples(self, step: _StepBudget) -> list[Request]:
-        """Fork the samples whose first sample's prompt is computed: each shares its
-        blocks and computes the prompt's last token again, for the logits it samples from.
-        Only as many as the step has room for; the others wait for a later step."""
-        kv = self.kv_cache_manager
-        forked: list[Request] = []
-        for leader_id in list(self._awaiting_fork):
-            leader = self.requests[leader_id]
-            if (
-                leader.status != RequestStatus.RUNNING
-                or leader.num_computed_tokens < leader.num_prompt_tokens
-            ):
-                continue
-            samples = self._awaiting_fork[leader_id]
-            while (
-                samples
-                and step.tokens > 0
-                and len(self.running) < self.config.max_num_seqs
-                and len(step.num_scheduled) < step.max_seqs
-            ):
-                sample = samples[0]
-                kv.fork(leader, sample, leader.num_prompt_tokens - 1)
-                # Its first write copies the shared last block: it never holds a shared
-                # block the workers see it write into.
-                if kv.allocate_slots(sample, 1) is None:
-                    kv.free(sample)
-                    sample.num_computed_tokens = 0
-                    return forked  # short of blocks: the rest wait
-                samples.pop(0)
-                sample.status = RequestStatus.RUNNING
-                sample.num_cached_tokens = leader.num_cached_tokens
-                self.running.append(sample)
-                forked.append(sample)
-                step.num_scheduled[sample.request_id] = 1
-                step.tokens -= 1
-            if not samples:
-                del self._awaiting_fork[leader_id]
-        return forked
-
-    def _release_forks(self, leader: Request) -> None:
-        """A first sample that leaves the running queue before its samples forked: they
-        compute their prompt themselves (with prefix caching, mostly as hits)."""
-        for sample in self._awaiting_fork.pop(leader.request_id, ()):
-            self._add_waiting(sample)
-
-    def _admit_waiting(self, step: _StepBudget) -> list[Request]:
+    def _admit_waiting(self, step: StepBudget) -> list[Request]:
         """Admit waiting requests from the head of the queue while the step has room."""
         kv = self.kv_cache_manager
         admitted: list[Request] = []
@@ -386,7 +306,7 @@ class Scheduler:
             return []
         return self.offload.cpu_prefix_hits(request, num_gpu_hit_blocks)
 
-    def _swap_out_for(self, request: Request, step: _StepBudget, admitted: list[Request]) -> bool:
+    def _swap_out_for(self, request: Request, step: StepBudget, admitted: list[Request]) -> bool:
         """Under the priority policy, a waiting request more urgent than the least urgent
         running one takes that one's blocks by swapping it out (never by recomputing it: the
         victim keeps its work). True if it did."""
@@ -559,34 +479,3 @@ class Scheduler:
             new_block_ids=new_block_ids,
             num_computed_tokens=request.num_computed_tokens,
         )
-
-
-@dataclass
-class _StepBudget:
-    """What one step has left to give and what it gave so far."""
-
-    tokens: int
-    prefill_tokens: int
-    max_seqs: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    prefilling: set[str] = field(default_factory=set)
-    preempted: bool = False
-
-    def take(self, request_id: str, num_tokens: int, is_prefill: bool) -> None:
-        self.num_scheduled[request_id] = num_tokens
-        self.tokens -= num_tokens
-        if is_prefill:
-            self.prefilling.add(request_id)
-            self.prefill_tokens -= num_tokens
-
-    def refund(self, request_id: str) -> None:
-        """Give back what a request preempted in this step had been given."""
-        if request_id not in self.num_scheduled:
-            return
-        num_tokens = self.num_scheduled.pop(request_id)
-        self.tokens += num_tokens
-        if request_id in self.prefilling:
-            self.prefilling.discard(request_id)
-            self.prefill_tokens += num_tokens
-        self.new_block_ids.pop(request_id)
