@@ -1,7 +1,8 @@
 """A real Prometheus scrapes a running kvray Serve app through Ray's metrics export.
 
 Traffic is shaped to touch every metric: a burst larger than the batch (queue wait), a KV
-cache too small for the batch (preemptions), a shared prompt prefix (prefix hits), and a
+cache too small for the batch (preemptions, swapped out to a CPU pool), a shared prompt
+prefix (prefix hits, on the GPU and from the pool's CPU tier), and a
 tenant over its token budget (429 rejections). Prometheus evaluates the shipped alert
 rules with `for:` shortened so that the queue-wait alert fires within the test.
 """
@@ -38,11 +39,15 @@ ARGS = {
     "max_ongoing_requests": 32,
     "max_queued_requests": 64,
     "num_gpu_blocks": 12,
+    "swap_space": 0.05,
+    "preemption_mode": "swap",
     "num_cpus": 0.25,
     "ingress_max_replicas": 1,
     "request_timeout_s": 120,
     "tenants": {"metered": {"tokens_per_minute": 1}},
 }
+# Sent before the burst and again after it: the burst evicts its blocks to the CPU tier.
+EVICTED = "A list of rivers by length, longest first, with the seas they flow into: " * 2
 SHARED = "Here is a long story about a fox, a dog and a river that both of them had to cross. "
 BURST = 16
 ALERT = "KvrayQueueWaitHigh"
@@ -142,9 +147,11 @@ def traffic(app_url, prometheus):
     # Before any load the queue-wait alert has nothing to fire on.
     time.sleep(3)
     assert _alert_state(prometheus, ALERT) != "firing"
+    assert _complete(app_url, EVICTED, 2) == 200
     with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
         codes = list(pool.map(lambda i: _complete(app_url, f"{SHARED}Part {i}:", 40), range(BURST)))
     assert codes == [200] * BURST
+    assert _complete(app_url, EVICTED, 2) == 200
     # A tenant over its minute of tokens: the first request passes, later ones get 429.
     assert _complete(app_url, "Hi", 2, tenant="metered") == 200
     _wait(lambda: _complete(app_url, "Hi", 2, tenant="metered") == 429, 10, "a 429")
