@@ -52,3 +52,19 @@ def bundled_llm():
     from engine import LLM
 
     return LLM()
+
+
+@pytest.fixture(scope="session")
+def hf():
+    """(tokenizer, model) of the bundled model in transformers, float32 and in eval mode,
+    loaded once per test process: the reference the engine's outputs are held to."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.bundled import bundled_model_path
+
+    path = bundled_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return tok, model.eval()

@@ -10,24 +10,11 @@ import torch
 
 from engine import SamplingParams
 from engine.beam_search import BeamSearchParams
-from engine.bundled import bundled_model_path
 from tests.support.prompts import PROMPTS
 
 MAX_TOKENS = 8
 # Short prompts of several kinds and languages (the long one would only slow the reference).
 BEAM_PROMPTS = PROMPTS[:7] + ["Hello, my name is"]
-
-
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = bundled_model_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return tok, model.eval()
 
 
 def _hf_beam_search(hf, prompt: str, width: int, length_penalty: float, early_stopping):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from engine import LLM, RequestOutputKind, SamplingParams
-from engine.bundled import bundled_model_path
 from tests.support.prompts import LONG_TEXT, PROMPTS
 from tests.support.steps_in_flight import record_steps_in_flight
 
@@ -16,19 +15,6 @@ MAX_NEW_TOKENS = 64
 
 SHARED_PREFIX = LONG_TEXT[:900]
 PREFIX_PROMPTS = [SHARED_PREFIX + q for q in (" Who kept the records?", " What was recorded?")]
-
-
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = bundled_model_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    model.eval()
-    return tok, model
 
 
 def _hf_greedy(hf, prompts: list[str]) -> list[list[int]]:

@@ -270,15 +270,11 @@ def test_unknown_shape_lists_known_ones():
 
 
 @pytest.fixture(scope="module")
-def bundled():
-    path = bundled_model_path()
+def bundled(hf):
     source = resolve_model_source(None)
     config = load_hf_config(source)
     ours = load_model(source, config, torch.float32, CPU)
-    theirs = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return config, ours, theirs
+    return config, ours, hf[1]
 
 
 def test_smollm2_shape_matches_the_bundled_config(bundled):

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.bundled import bundled_model_path
 from tests.support.prompts import LONG_TEXT
 
 PROMPTS = [
@@ -19,15 +18,9 @@ TOP = 3
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[tuple[list[int], torch.Tensor]]:
+def reference(hf) -> list[tuple[list[int], torch.Tensor]]:
     """(prompt ids, transformers' log-softmax at each prompt position) per prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = bundled_model_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    tok, model = hf
     out = []
     for prompt in PROMPTS:
         ids = tok(prompt, add_special_tokens=False).input_ids
