@@ -256,5 +256,7 @@ PER_MODEL_SERVE_KEYS = frozenset(
         "chat_template",
         "default_chat_template_kwargs",
         "enable_prompt_tokens_details",
+        "routing",
+        "routing_load_factor",
     }
 )
