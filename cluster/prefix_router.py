@@ -79,7 +79,8 @@ class PrefixAffinityRouter(RequestRouter):
         self, replicas: list[RunningReplica], pending: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         """[[the affinity replica], two random ones] or [two random ones]."""
-        fallback = random.sample(replicas, 2) if len(replicas) > 2 else list(replicas)
+        # In random order: Serve takes the first of equally loaded replicas.
+        fallback = random.sample(replicas, 2)
         start = time.perf_counter()
         first_round = pending is not None and not hasattr(pending, _KEYS_ATTR)
         keys = getattr(pending, _KEYS_ATTR, None) if not first_round else None

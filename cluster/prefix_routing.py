@@ -31,11 +31,11 @@ TEXT_CHARS_PER_TOKEN = 4
 ROUTING_BLOCKS = 32
 """A request's first this many pieces are compared with the replicas' (the start of a
 prompt is what a prefix cache shares; further pieces add hashing, not information)."""
-SKETCH_CAPACITY = 4096
+SKETCH_CAPACITY = 8192
 """Piece names a replica (and the router, per replica) remembers, newest kept."""
-BLOOM_BITS = 1 << 16
+BLOOM_BITS = 1 << 17
 BLOOM_PROBES = 4
-"""8 KiB and 4 probes: about 0.2% false positives at SKETCH_CAPACITY names."""
+"""16 KiB and 4 probes: about 0.2% false positives at SKETCH_CAPACITY names."""
 ROUTING_STATS_KEY = "prefix_bloom"
 """The key of a replica's routing stats (record_routing_stats) that holds its filter."""
 
@@ -109,22 +109,29 @@ def request_prefix_keys(
 
 
 class PrefixSketch:
-    """The newest `capacity` piece names seen (a bounded LRU set)."""
+    """The newest `capacity` piece names seen (a bounded LRU set), and a Bloom filter of
+    them kept up to date as names come (a name evicted stays in the filter until a quarter
+    of the capacity has been evicted; then the filter is rebuilt from the names held)."""
 
-    def __init__(self, capacity: int = SKETCH_CAPACITY) -> None:
+    def __init__(self, capacity: int = SKETCH_CAPACITY, bits: int = BLOOM_BITS) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
+        self.bits = bits
         self._keys: OrderedDict[int, None] = OrderedDict()
-        self._bloom: bytes | None = None
+        self._table = bytearray(bits // 8)
+        self._evicted = 0
 
     def add(self, keys: Iterable[int]) -> None:
         for key in keys:
-            self._bloom = None
+            if key in self._keys:
+                self._keys.move_to_end(key)
+                continue
             self._keys[key] = None
-            self._keys.move_to_end(key)
+            _set_bits(self._table, key, self.bits)
         while len(self._keys) > self.capacity:
             self._keys.popitem(last=False)
+            self._evicted += 1
 
     def __contains__(self, key: int) -> bool:
         return key in self._keys
@@ -136,10 +143,11 @@ class PrefixSketch:
         return list(self._keys)
 
     def bloom(self) -> bytes:
-        """`bloom_of` the names held, rebuilt only after a change."""
-        if self._bloom is None:
-            self._bloom = bloom_of(self._keys)
-        return self._bloom
+        """The filter of the names held (and of at most capacity / 4 evicted ones)."""
+        if self._evicted > self.capacity // 4:
+            self._table = bytearray(bloom_of(self._keys, self.bits))
+            self._evicted = 0
+        return bytes(self._table)
 
 
 def _probes(key: int, bits: int) -> Iterable[int]:
@@ -152,9 +160,13 @@ def bloom_of(keys: Iterable[int], bits: int = BLOOM_BITS) -> bytes:
     """A Bloom filter of `keys` (`bits` bits, a multiple of 8)."""
     table = bytearray(bits // 8)
     for key in keys:
-        for p in _probes(key, bits):
-            table[p >> 3] |= 1 << (p & 7)
+        _set_bits(table, key, bits)
     return bytes(table)
+
+
+def _set_bits(table: bytearray, key: int, bits: int) -> None:
+    for p in _probes(key, bits):
+        table[p >> 3] |= 1 << (p & 7)
 
 
 def bloom_contains(table: bytes, key: int) -> bool:

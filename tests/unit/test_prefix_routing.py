@@ -19,6 +19,7 @@ from cluster.prefix_routing import (
     OVER_BOUND,
     ROUTING_BLOCKS,
     ROUTING_STATS_KEY,
+    SKETCH_CAPACITY,
     TEXT_CHARS_PER_TOKEN,
     Candidate,
     PrefixSketch,
@@ -91,21 +92,22 @@ def test_request_names_follow_the_engines_salt_and_the_prompt_form():
 
 
 def test_sketch_keeps_the_newest_names_and_its_bloom_holds_them():
-    sketch = PrefixSketch(capacity=3)
-    sketch.add([1, 2, 3])
-    sketch.add([1, 4])  # 1 refreshed, 2 the oldest: evicted
-    assert sketch.keys() == [3, 1, 4]
-    bloom = sketch.bloom()
-    assert all(bloom_contains(bloom, k) for k in (3, 1, 4))
-    sketch.add([5])
-    assert sketch.bloom() is not bloom and bloom_contains(sketch.bloom(), 5)
+    sketch = PrefixSketch(capacity=4)
+    sketch.add([1, 2, 3, 4])
+    sketch.add([1, 5])  # 1 refreshed, 2 the oldest: evicted
+    assert sketch.keys() == [3, 4, 1, 5]
+    assert all(bloom_contains(sketch.bloom(), k) for k in (3, 4, 1, 5))
+    assert sketch.bloom() == bloom_of([1, 2, 3, 4, 5])  # one eviction: kept in the filter
+    sketch.add([6, 7])  # more than a quarter of the capacity evicted: rebuilt
+    assert sketch.keys() == [1, 5, 6, 7]
+    assert sketch.bloom() == bloom_of([1, 5, 6, 7])
     with pytest.raises(ValueError, match="capacity"):
         PrefixSketch(0)
 
 
 def test_bloom_false_positives_are_rare_at_capacity():
     rng = random.Random(7)
-    held = [rng.getrandbits(64) for _ in range(4096)]
+    held = [rng.getrandbits(64) for _ in range(SKETCH_CAPACITY)]
     bloom = bloom_of(held)
     others = [rng.getrandbits(64) for _ in range(20_000)]
     false_hits = sum(bloom_contains(bloom, k) for k in others)
@@ -218,7 +220,8 @@ def test_router_choice_is_cheap():
     """The router's own time per request (hashing 32 pieces, matching 4 replicas): a small
     fraction of a prefill; the median over many, so a busy machine does not fail it."""
     router = _router()
-    replicas = [_replica(f"r{i}", bloom_of(range(i, 4096 * 8, 8))) for i in range(4)]
+    held = range(0, SKETCH_CAPACITY * 8, 8)
+    replicas = [_replica(f"r{i}", bloom_of(k + i for k in held)) for i in range(4)]
     prompts = [_text(100 + i % 8, ROUTING_BLOCKS + 2) for i in range(200)]
     times = []
     for prompt in prompts:
