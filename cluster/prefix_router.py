@@ -17,7 +17,6 @@ Serve pickles this module by value when the deployment is built; what it imports
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 from typing import Any
 
@@ -59,8 +58,6 @@ class PrefixAffinityRouter(RequestRouter):
         self.sent: dict[Any, PrefixSketch] = {}
         """Per replica id: the names of the prompts this router sent there."""
         self.decisions: Counter[str] = Counter()
-        self.choose_seconds = 0.0
-        """Time spent choosing (hashing and matching), summed over requests."""
         self._metric: Any = None
 
     async def choose_replicas(
@@ -81,18 +78,16 @@ class PrefixAffinityRouter(RequestRouter):
         """[[the affinity replica], two random ones] or [two random ones]."""
         # In random order: Serve takes the first of equally loaded replicas.
         fallback = random.sample(replicas, 2)
-        start = time.perf_counter()
+        # Hashed once per request; Serve calls again after a backoff.
         first_round = pending is not None and not hasattr(pending, _KEYS_ATTR)
-        keys = getattr(pending, _KEYS_ATTR, None) if not first_round else None
         if first_round:
-            keys = pending_request_keys(pending, self.block_size)
-            setattr(pending, _KEYS_ATTR, keys)
+            setattr(pending, _KEYS_ATTR, pending_request_keys(pending, self.block_size))
+        keys = getattr(pending, _KEYS_ATTR, None)
         if keys is None:
             return [fallback]
         target, decision = choose_by_affinity(
             [self._candidate(r, keys) for r in replicas], self.load_factor
         )
-        self.choose_seconds += time.perf_counter() - start
         if first_round:  # counted once per request, not per retry
             self._count(decision)
         return [fallback] if target is None else [[target], fallback]
