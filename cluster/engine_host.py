@@ -20,7 +20,7 @@ from ray import serve
 
 from cluster.app_config import AppConfig
 from cluster.metrics import RayMetricsSink, ReplicaReadiness
-from cluster.prefix_routing import ROUTING_STATS_KEY, PrefixSketch, request_prefix_keys
+from cluster.prefix_routing import ROUTING_STATS_KEY, PrefixSketch, served_prefix_keys
 from engine.api.errors import APIError
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.config import EngineArgs
@@ -84,8 +84,7 @@ class EngineHost:
 
     async def generate(self, kind: str, request: Any, ctx: RequestContext):
         if self.served_prefixes is not None:
-            keys = request_prefix_keys(kind, request, ctx.cache_salt, self.block_size)
-            self.served_prefixes.add(keys)
+            self.served_prefixes.add(served_prefix_keys(kind, request, ctx, self.block_size))
         try:
             if kind == "chat":
                 result = await self.serving.create_chat_completion(request, ctx)
@@ -111,7 +110,7 @@ class EngineHost:
     def record_routing_stats(self) -> dict[str, Any]:
         """What Serve's controller pulls for the router: the served prompt starts as a
         Bloom filter (none unless routing is prefix_affinity)."""
-        sketch = getattr(self, "served_prefixes", None)
+        sketch = self.served_prefixes
         return {} if sketch is None else {ROUTING_STATS_KEY: sketch.bloom()}
 
     def models(self) -> dict:

@@ -29,7 +29,7 @@ from cluster.prefix_routing import (
     bloom_contains,
     choose_by_affinity,
     matched_blocks,
-    request_prefix_keys,
+    served_prefix_keys,
 )
 
 DECISIONS_METRIC = "kvray_routing_decisions"
@@ -41,11 +41,7 @@ def pending_request_keys(pending: PendingRequest | None, block_size: int) -> lis
     for any other call (stats, tokenize), routed by load."""
     if pending is None or len(pending.args) != 3 or pending.metadata.call_method != "generate":
         return None
-    kind, request, ctx = pending.args
-    try:
-        return request_prefix_keys(kind, request, getattr(ctx, "cache_salt", None), block_size)
-    except (AttributeError, TypeError):
-        return None
+    return served_prefix_keys(*pending.args, block_size)
 
 
 class PrefixAffinityRouter(RequestRouter):

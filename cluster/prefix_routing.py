@@ -108,6 +108,15 @@ def request_prefix_keys(
     return prefix_keys(request_prompt(kind, request), salt, block_size)
 
 
+def served_prefix_keys(kind: str, request: Any, ctx: Any, block_size: int) -> list[int]:
+    """`request_prefix_keys` of a call's (kind, request, context); none for a request of
+    another shape: routing never fails a request."""
+    try:
+        return request_prefix_keys(kind, request, getattr(ctx, "cache_salt", None), block_size)
+    except (AttributeError, TypeError):
+        return []
+
+
 class PrefixSketch:
     """The newest `capacity` piece names seen (a bounded LRU set), and a Bloom filter of
     them kept up to date as names come (a name evicted stays in the filter until a quarter

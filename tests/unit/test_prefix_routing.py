@@ -30,6 +30,7 @@ from cluster.prefix_routing import (
     matched_blocks,
     prefix_keys,
     request_prefix_keys,
+    served_prefix_keys,
 )
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -76,8 +77,10 @@ def test_request_names_follow_the_engines_salt_and_the_prompt_form():
     several = CompletionRequest(model="m", prompt=[text, "other"])
     assert request_prefix_keys("completion", several, None, 16) == prefix_keys(text, None, 16)
     own_salt = CompletionRequest(model="m", prompt=text, cache_salt="mine")
-    tenant_only = request_prefix_keys("completion", own_salt.model_copy(), "t", 16)
-    assert tenant_only != request_prefix_keys("completion", completion, "t", 16)
+    with_own_salt = request_prefix_keys("completion", own_salt, "t", 16)
+    assert with_own_salt != request_prefix_keys("completion", completion, "t", 16)
+    # A call of another shape is routed by load, never failed.
+    assert served_prefix_keys("completion", SimpleNamespace(prompt=3), None, 16) == []
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": text}])
     longer = ChatCompletionRequest(
         model="m",
@@ -197,10 +200,8 @@ def test_router_reads_replicas_reported_prefixes_and_respects_the_bound():
 
 def test_router_routes_other_calls_and_one_replica_without_hashing(monkeypatch):
     calls = []
-    real = prefix_router.request_prefix_keys
-    monkeypatch.setattr(
-        prefix_router, "request_prefix_keys", lambda *a: calls.append(a) or real(*a)
-    )
+    real = prefix_router.served_prefix_keys
+    monkeypatch.setattr(prefix_router, "served_prefix_keys", lambda *a: calls.append(a) or real(*a))
     router, one = _router(), [_replica("r0")]
     pending = _pending(_text(12, 4))
     assert asyncio_run(router.choose_replicas(one, pending)) == [one]
