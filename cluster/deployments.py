@@ -99,7 +99,7 @@ def llm_server_options(config: AppConfig) -> dict[str, Any]:
         autoscaling["initial_replicas"] = config.initial_replicas
     if config.metrics_interval_s is not None:
         autoscaling["metrics_interval_s"] = config.metrics_interval_s
-    return {
+    options: dict[str, Any] = {
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": max_ongoing,
         "max_queued_requests": config.resolved_max_queued_requests(),
@@ -114,3 +114,28 @@ def llm_server_options(config: AppConfig) -> dict[str, Any]:
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
     }
+    if config.prefix_affinity:
+        options["request_router_config"] = prefix_affinity_router(config)
+    return options
+
+
+ROUTING_STATS_PERIOD_S = 1.0
+"""How often Serve's controller pulls each replica's served prefixes for the router (the
+router knows what it sent itself at once: this covers other ingress replicas' requests)."""
+
+
+def prefix_affinity_router(config: AppConfig) -> Any:
+    """LLMServer's request router under `routing: prefix_affinity`."""
+    from ray.serve.config import RequestRouterConfig
+
+    from cluster.prefix_router import PrefixAffinityRouter
+
+    return RequestRouterConfig(
+        request_router_class=PrefixAffinityRouter,
+        request_router_kwargs={
+            "block_size": config.block_size,
+            "load_factor": config.routing_load_factor,
+            "model": config.served_name,
+        },
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+    )

@@ -20,6 +20,7 @@ from ray import serve
 
 from cluster.app_config import AppConfig
 from cluster.metrics import RayMetricsSink, ReplicaReadiness
+from cluster.prefix_routing import ROUTING_STATS_KEY, PrefixSketch, served_prefix_keys
 from engine.api.errors import APIError
 from engine.api.serving import OpenAIServing, RequestContext, SSEStream
 from engine.config import EngineArgs
@@ -54,6 +55,8 @@ def engine_args(config: AppConfig) -> EngineArgs:
 class EngineHost:
     """A replica's engine and its OpenAI serving layer (LLMServer's methods)."""
 
+    served_prefixes: PrefixSketch | None = None
+
     async def start(self, config: AppConfig) -> None:
         # Serve freezes a replica's start-up heap once its __init__ returns
         # (RAY_SERVE_FREEZE_GC_ON_STARTUP); the engine process freezes its own.
@@ -74,8 +77,14 @@ class EngineHost:
         self.engine.enable_metrics(sink)
         self.readiness = ReplicaReadiness(sink, self.engine.model_name)
         self.readiness.set(True)
+        # Under prefix-affinity routing: the prompt starts this replica served, reported to
+        # the router (record_routing_stats, cluster/prefix_router.py).
+        self.served_prefixes = PrefixSketch() if config.prefix_affinity else None
+        self.block_size = config.block_size
 
     async def generate(self, kind: str, request: Any, ctx: RequestContext):
+        if self.served_prefixes is not None:
+            self.served_prefixes.add(served_prefix_keys(kind, request, ctx, self.block_size))
         try:
             if kind == "chat":
                 result = await self.serving.create_chat_completion(request, ctx)
@@ -97,6 +106,12 @@ class EngineHost:
             # no cancellation reaches `events`: close it, so the engine request ends now.
             await events.aclose()
         yield result.usage
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve's controller pulls for the router: the served prompt starts as a
+        Bloom filter (none unless routing is prefix_affinity)."""
+        sketch = self.served_prefixes
+        return {} if sketch is None else {ROUTING_STATS_KEY: sketch.bloom()}
 
     def models(self) -> dict:
         return self.serving.models().model_dump(mode="json")

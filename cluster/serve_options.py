@@ -103,9 +103,28 @@ class ServeOptions(BaseModel):
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """vLLM's: variables for every chat template render (e.g. {"enable_thinking": false}); a
     request's chat_template_kwargs override them."""
+    routing: Literal["power_of_two", "prefix_affinity"] = "prefix_affinity"
+    """How a request picks one of a model's LLMServer replicas: prefix_affinity sends it to
+    the replica most likely to hold its prompt's start in its prefix cache, within
+    routing_load_factor (cluster/prefix_router.py); power_of_two: the less loaded of two at
+    random (Serve's default). Applies where the model may have more than one replica
+    (max_replicas > 1) and the ingress is not colocated; one replica is always power_of_two."""
+    routing_load_factor: float = Field(default=1.5, ge=1)
+    """prefix_affinity's bound: a replica takes a request for its cached prefix while its
+    requests, this one included, stay within this many times the replicas' mean (rounded
+    up); above it the request goes by power_of_two."""
     enable_prompt_tokens_details: bool = False
     """vLLM's: usage carries OpenAI's prompt_tokens_details.cached_tokens (the prompt
     tokens the prefix cache served)."""
+
+    @property
+    def prefix_affinity(self) -> bool:
+        """Whether LLMServer's requests go by prefix affinity (`routing`)."""
+        return (
+            self.routing == "prefix_affinity"
+            and self.max_replicas > 1
+            and not self.colocate_ingress
+        )
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeOptions:
@@ -237,5 +256,7 @@ PER_MODEL_SERVE_KEYS = frozenset(
         "chat_template",
         "default_chat_template_kwargs",
         "enable_prompt_tokens_details",
+        "routing",
+        "routing_load_factor",
     }
 )

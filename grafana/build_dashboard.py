@@ -15,6 +15,7 @@ OUT = Path(__file__).with_name("kvray-dashboard.json")
 DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'model=~"$model", replica=~"$replica"'
 TENANT = 'tenant=~"$tenant"'
+MODEL = 'model=~"$model"'
 RATE = "$__rate_interval"
 WIDTH = 24
 
@@ -260,6 +261,18 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
                 "timeseries",
                 "short",
                 [(f"sum by (replica) (ray_kvray_num_requests_running{{{SEL}}})", "{{replica}}")],
+            ),
+            (
+                # Recorded by the ingress's router: no engine replica label to select.
+                "Routing decisions / s (prefix_affinity)",
+                "timeseries",
+                "reqps",
+                [
+                    (
+                        rate("ray_kvray_routing_decisions_total", "model, decision", MODEL),
+                        "{{model}} {{decision}}",
+                    )
+                ],
             ),
         ],
     ),

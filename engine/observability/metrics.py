@@ -134,6 +134,12 @@ METRICS: tuple[MetricDef, ...] = (
         "Requests refused with 429, by model, tenant and reason (the error code).",
         ("model", "tenant", "reason"),
     ),
+    _counter(
+        "kvray_routing_decisions",
+        "Generation requests routed among a model's replicas, by decision: affinity (to the "
+        "replica holding the prompt's start), no_match or over_bound (by load).",
+        ("model", "decision"),
+    ),
 )
 
 METRICS_BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}

@@ -546,3 +546,34 @@ def test_kvray_serve_grpc_port_starts_serve_with_the_grpc_api(monkeypatch, capsy
     assert started["grpc_options"] is None
     with pytest.raises(SystemExit):
         parse_serve_args(["serve", "--grpc-port", "70000"])
+
+
+def test_routing_key_and_flag_set_llm_servers_request_router_where_replicas_may_be_several():
+    from cluster.prefix_router import PrefixAffinityRouter
+
+    def router(config):
+        return llm_server_options(config).get("request_router_config")
+
+    assert load_app_config({}).routing == "prefix_affinity"
+    assert router(load_app_config({})) is None  # one replica: Serve's default
+    several = router(load_app_config({"max_replicas": 3, "routing_load_factor": 2}))
+    assert several.get_request_router_class().__name__ == PrefixAffinityRouter.__name__
+    assert several.request_router_kwargs["load_factor"] == 2
+    assert several.request_router_kwargs["block_size"] == 16
+    config, _ = parse_serve_args(["serve", "--max-replicas", "2", "--routing", "power_of_two"])
+    assert config.routing == "power_of_two" and router(config) is None
+    colocated = {"max_replicas": 2, "colocate_ingress": True}
+    assert not load_app_config(colocated).prefix_affinity
+    models = load_app_config(
+        {
+            "models": [
+                {"served_model_name": "a", "max_replicas": 2},
+                {"served_model_name": "b", "max_replicas": 2, "routing": "power_of_two"},
+            ]
+        }
+    ).model_configs()
+    assert [m.prefix_affinity for m in models] == [True, False]
+    with pytest.raises(ValueError, match="routing"):
+        load_app_config({"routing": "round_robin"})
+    with pytest.raises(ValueError, match="routing_load_factor"):
+        load_app_config({"routing_load_factor": 0.5})
