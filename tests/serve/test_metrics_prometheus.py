@@ -3,7 +3,8 @@
 Traffic is shaped to touch every metric: a burst larger than the batch (queue wait), a KV
 cache too small for the batch (preemptions, swapped out to a CPU pool), a shared prompt
 prefix (prefix hits, on the GPU and from the pool's CPU tier), and a
-tenant over its token budget (429 rejections). Prometheus evaluates the shipped alert
+tenant over its token budget (429 rejections); two engine replicas, so requests go through
+the prefix-affinity router (its decisions). Prometheus evaluates the shipped alert
 rules with `for:` shortened so that the queue-wait alert fires within the test.
 """
 
@@ -42,6 +43,8 @@ ARGS = {
     "swap_space": 0.05,
     "preemption_mode": "swap",
     "num_cpus": 0.25,
+    "min_replicas": 2,  # two engine replicas: the router's decisions are on the dashboard
+    "max_replicas": 2,
     "ingress_max_replicas": 1,
     "request_timeout_s": 120,
     "tenants": {"metered": {"tokens_per_minute": 1}},
