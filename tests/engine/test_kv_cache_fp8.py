@@ -87,7 +87,7 @@ def test_the_bundled_model_with_an_fp8_cache_follows_the_float_cache(bundled_llm
     its config, tokenizer and weights come from that engine (reading the GGUF file again
     takes seconds)."""
     import engine.llm_engine as llm_engine
-    import engine.worker.model_runner as model_runner
+    import engine.worker.weight_lifecycle as weight_lifecycle
 
     loaded = _runner(bundled_llm).model
 
@@ -98,7 +98,7 @@ def test_the_bundled_model_with_an_fp8_cache_follows_the_float_cache(bundled_llm
 
     monkeypatch.setattr(llm_engine, "load_hf_config", lambda source: bundled_llm.engine.hf_config)
     monkeypatch.setattr(llm_engine, "load_tokenizer_for", lambda *a: bundled_llm.get_tokenizer())
-    monkeypatch.setattr(model_runner, "load_model", copy_of_loaded)
+    monkeypatch.setattr(weight_lifecycle, "load_model", copy_of_loaded)
     fp8 = LLM(kv_cache_dtype="fp8")
     assert fp8.engine.num_gpu_blocks // 4 == bundled_llm.engine.num_gpu_blocks
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
