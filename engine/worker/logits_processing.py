@@ -12,6 +12,16 @@ import torch
 from engine.worker.sampling_batch import SamplingBatch
 
 
+def changes_logits(batch: SamplingBatch) -> bool:
+    """Whether adjust_logits has anything to change in this step's logits."""
+    return (
+        batch.logit_bias is not None
+        or batch.allowed_tokens is not None
+        or batch.min_tokens_mask is not None
+        or batch.output_token_counts is not None
+    )
+
+
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Logit bias, allowed tokens, tokens held back below min_tokens, then penalties: each
     only where some row asked for it. Works in place where it can; use the result."""

@@ -23,6 +23,7 @@ from engine.worker.logits_processing import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    changes_logits,
 )
 from engine.worker.sampling_batch import (
     SamplingBatch,
@@ -121,7 +122,7 @@ def sample_on_device(
     raw_logprobs = None
     if batch.max_num_logprobs is not None:
         raw_logprobs = logits.to(torch.float32).log_softmax(dim=-1)
-    owned = _changes_logits(batch)
+    owned = changes_logits(batch)
     if owned:
         # A private float32 copy: the changes work in place, the caller's logits stay intact.
         logits = adjust_logits(logits.to(torch.float32, copy=True), batch)
@@ -142,16 +143,6 @@ def sample_on_device(
     if raw_logprobs is None:
         return sampled, None
     return sampled, _logprob_tensors(raw_logprobs, sampled, batch.max_num_logprobs)
-
-
-def _changes_logits(batch: SamplingBatch) -> bool:
-    """Whether adjust_logits has anything to do for this step."""
-    return (
-        batch.logit_bias is not None
-        or batch.allowed_tokens is not None
-        or batch.min_tokens_mask is not None
-        or batch.output_token_counts is not None
-    )
 
 
 def _sample_by_row_groups(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -183,14 +174,7 @@ def sample_whole_vocabulary(logits: torch.Tensor, batch: SamplingBatch) -> torch
 def _logits_used_as_is(logits: torch.Tensor, batch: SamplingBatch) -> bool:
     """On a GPU, with no logprobs to report and nothing (min_tokens, penalties, logit_bias)
     to change in the logits before sampling: the Triton passes below can read them directly."""
-    return (
-        use_triton(logits)
-        and batch.max_num_logprobs is None
-        and batch.min_tokens_mask is None
-        and batch.output_token_counts is None
-        and batch.logit_bias is None
-        and batch.allowed_tokens is None
-    )
+    return use_triton(logits) and batch.max_num_logprobs is None and not changes_logits(batch)
 
 
 def _greedy_pass_eligible(logits: torch.Tensor, batch: SamplingBatch) -> bool:
