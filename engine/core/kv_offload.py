@@ -26,8 +26,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.core.block_pool import KVCacheBlock, cdiv
 from engine.core.cpu_block_pool import CpuBlockPool
-from engine.core.kv_cache import KVCacheBlock, KVCacheManager, cdiv
+from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Request
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import engine.core.kv_cache as kv_cache
-from engine.core.kv_cache import BlockHash, KVCacheManager
+from engine.core.block_hash import BlockHash
+from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 
