@@ -36,6 +36,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.beam_search_fields import beam_search_ignored_fields
 from engine.core.beam_group import BeamGroup, BeamOffer, EarlyStopping, normalized_score
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -47,7 +48,6 @@ from engine.sampling_params import (
     RequestInputError,
     RequestOutputKind,
     SamplingParams,
-    beam_search_ignored_fields,
 )
 
 logger = logging.getLogger(__name__)

@@ -300,45 +300,6 @@ class SamplingParams:
         return SamplingType.RANDOM
 
 
-BEAM_SEARCH_IGNORED_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "logit_bias",
-    "allowed_token_ids",
-    "stop",
-    "stop_token_ids",
-    "logprobs",
-    "prompt_logprobs",
-)
-"""SamplingParams fields a beam search does not read (it ranks the model's own logprobs)."""
-
-
-def beam_search_ignored_fields(params: SamplingParams) -> list[str]:
-    """The fields of `params` away from their defaults that a beam search ignores."""
-    defaults = _defaults()
-    ignored = [f for f in BEAM_SEARCH_IGNORED_FIELDS if getattr(params, f) != getattr(defaults, f)]
-    if params.is_greedy:  # what a beam search ranks by: nothing ignored
-        ignored.remove("temperature")
-    return ignored
-
-
-def _defaults() -> SamplingParams:
-    global _DEFAULT_PARAMS
-    if _DEFAULT_PARAMS is None:
-        _DEFAULT_PARAMS = SamplingParams()
-    return _DEFAULT_PARAMS
-
-
-_DEFAULT_PARAMS: SamplingParams | None = None
-
-
 def _int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
     # An exact int skips the ABC check (microseconds a request); bool is an int subclass,
     # and `max_tokens=True` is a caller bug, not 1.

@@ -15,9 +15,8 @@ from typing import Any
 
 from engine.api.errors import APIError
 from engine.api.protocol import CompletionRequest
-from engine.sampling_params import BEAM_SEARCH_IGNORED_FIELDS, MAX_LOGPROBS, SamplingParams
-
-_DEFAULTS = SamplingParams()
+from engine.beam_search_fields import NEUTRAL_BEAM_SEARCH_FIELDS
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def _given(value: Any) -> bool:
@@ -73,11 +72,10 @@ def beam_width(request: CompletionRequest) -> int:
 def as_beam_search(params: SamplingParams, request: CompletionRequest) -> SamplingParams:
     """`params` (the request's, as a sampled request takes them) for a beam search: the
     fields it ignores back to their defaults (a model's sampling defaults do not apply)."""
-    neutral = {name: getattr(_DEFAULTS, name) for name in BEAM_SEARCH_IGNORED_FIELDS}
     try:
         return dataclasses.replace(
             params,
-            **neutral,
+            **NEUTRAL_BEAM_SEARCH_FIELDS,
             n=beam_width(request),
             use_beam_search=True,
             length_penalty=request.length_penalty,

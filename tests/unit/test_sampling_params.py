@@ -163,7 +163,7 @@ def test_beam_search_fields_are_checked_by_name(kwargs, field):
 
 
 def test_beam_search_defaults_and_what_it_ignores():
-    from engine.sampling_params import beam_search_ignored_fields
+    from engine.beam_search_fields import beam_search_ignored_fields
 
     p = SamplingParams(use_beam_search=True, n=4)
     assert (p.length_penalty, p.early_stopping) == (1.0, "never")
