@@ -9,8 +9,9 @@ into a shared, partial block), and a kernel of its own would not beat two indexe
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from engine.worker.host_staging import host_to_device
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
@@ -21,10 +22,11 @@ def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> 
     """
     if not pairs or not kv_caches:
         return
-    ids = np.asarray(pairs, dtype=np.int64)
+    ids = torch.tensor(pairs, dtype=torch.int64)
     device = kv_caches[0].device
-    src = torch.from_numpy(ids[:, 0]).to(device, non_blocking=True)
-    dst = torch.from_numpy(ids[:, 1]).to(device, non_blocking=True)
+    # Through pinned memory: a copy from pageable memory would wait for the step in flight.
+    src = host_to_device(ids[:, 0].contiguous(), device)
+    dst = host_to_device(ids[:, 1].contiguous(), device)
     for cache in kv_caches:
         # float8 moves as bytes: not every torch build indexes float8 on every device.
         data = cache.view(torch.uint8) if cache.element_size() == 1 else cache

@@ -28,6 +28,7 @@ import torch
 
 from engine.forward_context import forward_context
 from engine.layers.attention import attention_layers, bind_kv_caches
+from engine.worker.host_staging import host_to_device
 from engine.worker.kv_memory import profile_batch
 
 logger = logging.getLogger(__name__)
@@ -143,8 +144,7 @@ class KVSwapSpace:
     def _device_index(self, ids: list[int]) -> torch.Tensor:
         # Through pinned memory: a plain torch.tensor(..., device=) would wait for the step
         # in flight.
-        host = torch.tensor(ids, dtype=torch.long).pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return host_to_device(torch.tensor(ids, dtype=torch.long), self.device)
 
     def synchronize(self) -> None:
         if self.stream is not None:
