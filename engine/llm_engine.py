@@ -212,7 +212,7 @@ class LLMEngine(ModelLifecycle):
         def start(request: Request) -> None:
             if taken.grammar is not None:
                 self.structured.add(request.request_id, taken.grammar, spec.starts_after_token_ids)
-            # The other samples fork the first one's prompt blocks (engine/core/scheduler.py).
+            # The other samples fork the first one's prompt blocks (engine/core/scheduler_forks.py).
             fork_of = None if request.request_id == first_id else first_id
             self.scheduler.add_request(request, fork_of=fork_of)
 
