@@ -5,8 +5,8 @@ replica of a model is dead and Serve starts new ones (a model load), a request, 
 health check sent through the handle, would wait that long. So the ingress keeps, per
 model, the latest word on its replicas: any reply (a first reply, a stream's chunk, a
 probe's answer) says one is up; a replica that died under a request (Ray's actor errors),
-or a health probe that no replica answered in time, says none may be. While none is known
-to be up:
+or a health probe that no replica answered in time (and no other reply came meanwhile),
+says none may be. While none is known to be up:
 
 - /health answers 503 at once;
 - a new request waits at most `no_replica_wait_s` for one, then gets 503 with Retry-After;
@@ -80,6 +80,8 @@ class ReplicaWatch:
         self.no_replica_wait_s = no_replica_wait_s
         self.up = True
         """False from a loss until a replica answers again."""
+        self._replies = 0
+        """Replies seen so far: a probe that fails after a newer reply is stale news."""
         self._up_event = asyncio.Event()
         self._up_event.set()
         self._lost_at = 0.0
@@ -89,6 +91,7 @@ class ReplicaWatch:
 
     def saw_reply(self) -> None:
         """A replica answered: one is up."""
+        self._replies += 1
         if self.up:
             return
         self.up = True
@@ -127,16 +130,23 @@ class ReplicaWatch:
         if not self.up:
             self._bound(limit)
 
-    def first_reply_done(self, limit: asyncio.Timeout) -> None:
-        self._waiting.pop(limit, None)
+    def first_reply_done(self, limit: asyncio.Timeout) -> bool:
+        """Stop bounding `limit`: whether the bound, not its own deadline, had moved it in."""
+        own = self._waiting.pop(limit, None)
+        when = limit.when()
+        return when is not None and (own is None or when < own)
 
     async def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         """Ask the model's server whether its engine is healthy; no answer within
-        `timeout_s` (no replica took the call) counts as a loss."""
+        `timeout_s` (no replica took the call) counts as a loss, unless a replica answered
+        something else meanwhile: a busy replica can be slow to take a probe."""
+        replies_before = self._replies
         reply = self.server.is_healthy.remote()
+        answered = False
         try:
             async with asyncio.timeout(timeout_s):
                 healthy = bool(await reply)
+            answered = True
         except asyncio.CancelledError:
             cancel_call(reply)  # else Serve's handle keeps it queued for a replica
             raise
@@ -145,7 +155,7 @@ class ReplicaWatch:
             healthy = False
         if healthy:
             self.saw_reply()
-        else:
+        elif answered or self._replies == replies_before:
             self.saw_loss()
         return healthy
 

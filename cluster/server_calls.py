@@ -65,13 +65,14 @@ async def first_reply(
 
 async def _await_first(replies: Any, watch: ReplicaWatch, ctx: RequestContext) -> Any:
     remaining = None if ctx.deadline is None else max(0.0, ctx.deadline - time.time())
+    bounded_by_watch = False
     try:
         async with asyncio.timeout(remaining) as limit:
             watch.awaiting_first_reply(limit)
             try:
                 first = await replies.__anext__()
             finally:
-                watch.first_reply_done(limit)
+                bounded_by_watch = watch.first_reply_done(limit)
     except BackPressureError:
         # Never assigned to a replica: nothing to cancel (cancel() would raise it again).
         raise APIError(
@@ -82,7 +83,7 @@ async def _await_first(replies: Any, watch: ReplicaWatch, ctx: RequestContext) -
         ) from None
     except TimeoutError:
         cancel_call(replies)
-        if ctx.deadline is None or time.time() < ctx.deadline:
+        if bounded_by_watch:
             raise no_replica(watch.model) from None  # the watch's bound, not the request's
         raise APIError(
             "the request waited past its time limit (request_timeout_s) and was aborted",

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from cluster.app_config import load_app_config
+from cluster.replica_watch import ReplicaWatch
 from tests.support.outside_serve import build_ingress
 
 pytestmark = pytest.mark.usefixtures("outside_serve")
@@ -185,3 +186,31 @@ def test_a_model_that_scales_to_zero_waits_for_its_first_replica():
 
     r, _ = _run(test, {"no_replica_wait_s": 0.3, "min_replicas": 0})
     assert r.status_code == 200
+
+
+def test_a_request_past_its_own_time_limit_gets_408_while_its_replica_is_up():
+    async def test(client, handle):
+        return await client.post("/v1/completions", json={"prompt": "a"})
+
+    r, _ = _run(test, {"request_timeout_s": 0.3, "no_replica_wait_s": 5})
+    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+
+
+def test_a_probe_a_busy_replica_is_slow_to_take_is_no_loss_once_it_has_answered_meanwhile():
+    """A replica that streams on a loaded box may take a probe late: its stream's replies
+    say it is up, so the probe's timeout must not cut the requests waiting on it."""
+
+    async def test():
+        handle = _Handle()
+        watch = ReplicaWatch("m", handle, no_replica_wait_s=5)
+        probing = asyncio.create_task(watch.probe(timeout_s=0.2))
+        await asyncio.sleep(0.05)
+        watch.saw_reply()  # a stream's chunk arrives while the probe waits
+        healthy = await probing
+        up_after_stale_probe = watch.up
+        # With no reply meanwhile, a probe no replica takes is a loss.
+        return healthy, up_after_stale_probe, await watch.probe(timeout_s=0.2), watch.up
+
+    healthy, up_after_stale_probe, healthy_again, up_at_end = asyncio.run(test())
+    assert not healthy and up_after_stale_probe
+    assert not healthy_again and not up_at_end

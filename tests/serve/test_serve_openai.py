@@ -358,7 +358,7 @@ def test_request_timeout_aborts_and_frees_kv(served):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     start = time.monotonic()
     response = _post(url, "/v1/completions", body, key="key-hasty")
-    assert response.status_code == 408
+    assert response.status_code == 408, response.text
     assert "request_timeout_s" in response.json()["error"]["message"]
     assert time.monotonic() - start < 5
     elapsed, stats = wait_until_idle(APP, timeout_s=2)
