@@ -1,7 +1,7 @@
-"""Ray Serve apps for tests: one local Ray instance per test process (under xdist, the worker
-that runs tests/support/tiers.py's Ray group), HTTP on a free port of 127.0.0.1, and
-helpers to run and inspect one app per module. A module's app fixture holds `served_app` (or `served_app_beside_offline_llm`) open
-for the module's tests."""
+"""Ray Serve apps for tests: one local Ray instance per test process (under xdist, each
+worker that runs one of tests/support/tiers.py's Ray groups), HTTP on a free port of
+127.0.0.1, and helpers to run and inspect one app per module. A module's app fixture holds
+`served_app` (or `served_app_beside_offline_llm`) open for the module's tests."""
 
 from __future__ import annotations
 

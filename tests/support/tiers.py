@@ -2,8 +2,10 @@
 the fast lane `pytest -m "not gpu and not slow"`), and how xdist shares the tests between
 its workers (`-n 2 --dist loadgroup`, scheduled by `make_scheduler`).
 
-The modules that start Ray form one group, so one worker runs them all on its one local
-Ray instance while the other runs the rest; any other module is a group of its own, so
+The modules that start Ray form two groups, each run by one worker on that worker's own
+local Ray instance (start_ray picks free ports): the Serve apps in one, the engine's actor
+groups (TP/PP ranks, no Serve app) in the other, so that neither worker carries all of the
+Ray tests while the other runs out of work. Any other module is a group of its own, so
 that its module-scoped fixtures (a loaded model, a deployed app) are built once; the tests
 of a folder without such fixtures go one by one to whichever worker is free.
 
@@ -38,6 +40,9 @@ RAY_MODULES = frozenset(
     }
 )
 RAY_GROUP = "ray"
+# Of RAY_MODULES, those that start no Serve app: their own group, beside the Serve apps'.
+RAY_ENGINE_MODULES = frozenset({"engine/test_parallel.py"})
+RAY_ENGINE_GROUP = "ray-engine"
 # Folders whose tests share no module-scoped fixture: spread test by test.
 SPREAD_FOLDERS = frozenset({"kernels", "unit"})
 EVERY_MODULE = "*"
@@ -49,8 +54,10 @@ def ray_modules(folder: str) -> set[str]:
 
 
 def xdist_group(nodeid: str) -> str:
-    """The group a test id belongs to: RAY_GROUP, its module, or itself."""
+    """The group a test id belongs to: a Ray group, its module, or itself."""
     module = nodeid.split("::", 1)[0].removeprefix("tests/")
+    if module in RAY_ENGINE_MODULES:
+        return RAY_ENGINE_GROUP
     if module in RAY_MODULES:
         return RAY_GROUP
     if module.split("/", 1)[0] in SPREAD_FOLDERS:
