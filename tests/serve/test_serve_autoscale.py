@@ -1,6 +1,8 @@
 """LLMServer autoscaling: 1 -> 2 replicas under a burst, back to 1 when idle, once on
 Serve's ongoing requests and once on the engine's time to first token
-(`autoscaling_metric: ttft`, cluster/autoscaling_policy.py).
+(`autoscaling_metric: ttft`, cluster/autoscaling_policy.py). Each case is a model of its
+own in one app (`models`: an LLMServer deployment per metric, each with its own autoscaler):
+both engines start together, where two apps would start one after the other.
 
 Runs with the fast autoscaler settings (metrics every 0.5 s, 1 s upscale delay, 5 s
 downscale delay, 2 s look-back). The model is the bundled one with dummy weights: its
@@ -22,6 +24,7 @@ import time
 import httpx
 import pytest
 
+from cluster.app_config import llm_server_name
 from tests.support.serve_apps import running_replicas, served_app
 
 APP = "autoscale"
@@ -35,8 +38,8 @@ FAST_AUTOSCALER = {
     "downscale_delay_s": 5,
     "look_back_period_s": 2,
     "metrics_interval_s": 0.5,
-    "ingress_max_replicas": 1,
 }
+# One model (LLMServer deployment) per metric, in one app: one start for both cases.
 CASES = {
     "ongoing_requests": {
         **FAST_AUTOSCALER,
@@ -52,6 +55,10 @@ CASES = {
         "target_ttft_s": 0.1,
     },
 }
+ARGS = {
+    "models": [{"served_model_name": name, **keys} for name, keys in CASES.items()],
+    "ingress_max_replicas": 1,
+}
 DECIDE_S = 30.0
 """The issue's bound: within this the autoscaler asks for the second replica."""
 RUNNING_S = 120.0
@@ -59,9 +66,9 @@ RUNNING_S = 120.0
 more on a CI runner under load."""
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def url(request):
-    with served_app(APP, CASES[request.param]) as base_url:
+@pytest.fixture(scope="module")
+def url():
+    with served_app(APP, ARGS) as base_url:
         yield base_url
 
 
@@ -74,21 +81,23 @@ def _wait_for(predicate, timeout_s: float) -> bool:
     return False
 
 
-def _wanted_replicas() -> int:
+def _wanted_replicas(deployment: str) -> int:
     """Replicas starting or running: the autoscaler's decision, before a replica is up."""
     from ray import serve
 
-    states = serve.status().applications[APP].deployments["LLMServer"].replica_states
+    states = serve.status().applications[APP].deployments[deployment].replica_states
     return states.get("STARTING", 0) + states.get("RUNNING", 0)
 
 
-def test_burst_scales_llm_server_up_and_idle_scales_it_down(url):
-    assert running_replicas(APP) == 1
+@pytest.mark.parametrize("metric", sorted(CASES))
+def test_burst_scales_llm_server_up_and_idle_scales_it_down(url, metric):
+    deployment = llm_server_name(metric)
+    assert running_replicas(APP, deployment) == 1
     stop = threading.Event()
     errors: list[str] = []
 
     def keep_busy():
-        body = {"prompt": [1, 2, 3, 4], "max_tokens": 8, "ignore_eos": True}
+        body = {"model": metric, "prompt": [1, 2, 3, 4], "max_tokens": 8, "ignore_eos": True}
         while not stop.is_set():
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
             if response.status_code != 200:
@@ -99,9 +108,11 @@ def test_burst_scales_llm_server_up_and_idle_scales_it_down(url):
     for t in clients:
         t.start()
     try:
-        decided = _wait_for(lambda: _wanted_replicas() == 2, timeout_s=DECIDE_S)
+        decided = _wait_for(lambda: _wanted_replicas(deployment) == 2, timeout_s=DECIDE_S)
         decided_s = time.monotonic() - started
-        running = decided and _wait_for(lambda: running_replicas(APP) == 2, timeout_s=RUNNING_S)
+        running = decided and _wait_for(
+            lambda: running_replicas(APP, deployment) == 2, timeout_s=RUNNING_S
+        )
         running_s = time.monotonic() - started
     finally:
         stop.set()
@@ -111,4 +122,6 @@ def test_burst_scales_llm_server_up_and_idle_scales_it_down(url):
     assert running, f"the second LLMServer replica was not running within {RUNNING_S} s"
     assert errors == []
     print(f"second replica asked for after {decided_s:.1f} s, running after {running_s:.1f} s")
-    assert _wait_for(lambda: running_replicas(APP) == 1, timeout_s=60), "no scale-down when idle"
+    assert _wait_for(lambda: running_replicas(APP, deployment) == 1, timeout_s=60), (
+        "no scale-down when idle"
+    )
