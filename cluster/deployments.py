@@ -99,6 +99,8 @@ def llm_server_options(config: AppConfig) -> dict[str, Any]:
         autoscaling["initial_replicas"] = config.initial_replicas
     if config.metrics_interval_s is not None:
         autoscaling["metrics_interval_s"] = config.metrics_interval_s
+    if config.autoscaling_metric != "ongoing_requests":
+        autoscaling.update(latency_autoscaling(config))
     options: dict[str, Any] = {
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": max_ongoing,
@@ -117,6 +119,15 @@ def llm_server_options(config: AppConfig) -> dict[str, Any]:
     if config.prefix_affinity:
         options["request_router_config"] = prefix_affinity_router(config)
     return options
+
+
+def latency_autoscaling(config: AppConfig) -> dict[str, Any]:
+    """LLMServer's autoscaling_config keys under autoscaling_metric queue_wait or ttft:
+    Serve's custom policy on what the replicas report (cluster/autoscaling_policy.py)."""
+    from cluster.autoscaling_policy import TARGET_KEYS, autoscaling_policy
+
+    metric = config.autoscaling_metric
+    return {"policy": autoscaling_policy(metric, getattr(config, TARGET_KEYS[metric]))}
 
 
 ROUTING_STATS_PERIOD_S = 1.0

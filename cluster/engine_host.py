@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 
 from cluster.app_config import AppConfig
+from cluster.autoscaling_stats import autoscaling_signals
 from cluster.metrics import RayMetricsSink, ReplicaReadiness
 from cluster.prefix_routing import ROUTING_STATS_KEY, PrefixSketch, served_prefix_keys
 from engine.api.errors import APIError
@@ -74,7 +75,8 @@ class EngineHost:
             enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         )
         sink = RayMetricsSink()
-        self.engine.enable_metrics(sink)
+        self.autoscaling_signals = autoscaling_signals(config, sink, self.engine.model_name)
+        self.engine.enable_metrics(self.autoscaling_signals)
         self.readiness = ReplicaReadiness(sink, self.engine.model_name)
         self.readiness.set(True)
         # Under prefix-affinity routing: the prompt starts this replica served, reported to
@@ -112,6 +114,12 @@ class EngineHost:
         Bloom filter (none unless routing is prefix_affinity)."""
         sketch = self.served_prefixes
         return {} if sketch is None else {ROUTING_STATS_KEY: sketch.bloom()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler gets every metrics interval: the engine's recent queue
+        wait or time to first token under autoscaling_metric queue_wait / ttft
+        (cluster/autoscaling_stats.py)."""
+        return self.autoscaling_signals.report()
 
     def models(self) -> dict:
         return self.serving.models().model_dump(mode="json")

@@ -117,6 +117,19 @@ class ServeOptions(BaseModel):
     """vLLM's: usage carries OpenAI's prompt_tokens_details.cached_tokens (the prompt
     tokens the prefix cache served)."""
 
+    # Autoscaling on the engine's latency (cluster/autoscaling_policy.py).
+    autoscaling_metric: Literal["ongoing_requests", "queue_wait", "ttft"] = "ongoing_requests"
+    """What LLMServer's autoscaler holds at its target: ongoing_requests (Serve's own policy,
+    target_ongoing_requests per replica), queue_wait (the engine's mean wait from arrival
+    to first scheduled, target_queue_wait_s) or ttft (its mean time to first token,
+    target_ttft_s), each replica's mean over look_back_period_s. A latency metric scales to
+    ceil(replicas x observed / target) within [min_replicas, max_replicas], after
+    upscale_delay_s / downscale_delay_s."""
+    target_queue_wait_s: float | None = Field(default=None, gt=0)
+    """The mean queue wait (seconds) autoscaling_metric queue_wait aims at."""
+    target_ttft_s: float | None = Field(default=None, gt=0)
+    """The mean time to first token (seconds) autoscaling_metric ttft aims at."""
+
     @property
     def prefix_affinity(self) -> bool:
         """Whether LLMServer's requests go by prefix affinity (`routing`)."""
@@ -142,6 +155,18 @@ class ServeOptions(BaseModel):
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        return self
+
+    @model_validator(mode="after")
+    def _check_autoscaling_metric(self) -> ServeOptions:
+        from cluster.autoscaling_policy import TARGET_KEYS, autoscaling_keys_problem
+
+        targets = {key: getattr(self, key) for key in TARGET_KEYS.values()}
+        problem = autoscaling_keys_problem(
+            self.autoscaling_metric, targets, self.target_ongoing_requests, self.colocate_ingress
+        )
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @field_validator("api_keys")
@@ -258,5 +283,8 @@ PER_MODEL_SERVE_KEYS = frozenset(
         "enable_prompt_tokens_details",
         "routing",
         "routing_load_factor",
+        "autoscaling_metric",
+        "target_queue_wait_s",
+        "target_ttft_s",
     }
 )

@@ -277,6 +277,35 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
         ],
     ),
     (
+        # Replicas, queue wait and TTFT as the autoscaler sees them (autoscaling_metric):
+        # each replica's look-back mean that it reports, the target, and the mean of all.
+        "Autoscaling",
+        [
+            (
+                f"{title} vs the autoscaling target",
+                "timeseries",
+                "s",
+                [
+                    (
+                        "max by (replica) (ray_kvray_autoscaling_signal_seconds"
+                        f'{{{SEL}, signal="{signal}"}})',
+                        "{{replica}} reported",
+                    ),
+                    (
+                        "max by (model) (ray_kvray_autoscaling_target_seconds"
+                        f'{{{MODEL}, signal="{signal}"}})',
+                        "{{model}} target",
+                    ),
+                    (ratio(rate(f"{histogram}_sum"), rate(f"{histogram}_count")), "mean"),
+                ],
+            )
+            for title, signal, histogram in (
+                ("Queue wait", "queue_wait", "ray_kvray_request_queue_time_seconds"),
+                ("Time to first token", "ttft", "ray_kvray_time_to_first_token_seconds"),
+            )
+        ],
+    ),
+    (
         "Tenants",
         [
             (

@@ -118,6 +118,18 @@ METRICS: tuple[MetricDef, ...] = (
     ),  # fmt: skip
     _histogram("kvray_batch_size", "Requests scheduled per engine step.", COUNT_BUCKETS),
     _gauge("kvray_replica_ready", "1 while this replica's engine loop is healthy, else 0."),
+    _gauge(
+        "kvray_autoscaling_signal_seconds",
+        "A replica's mean queue wait or time to first token over the autoscaler's look-back "
+        "window, as the replica reports it to the autoscaler, by signal (queue_wait, ttft).",
+        ("model", "signal"),
+    ),
+    _gauge(
+        "kvray_autoscaling_target_seconds",
+        "The target of the signal a model's replicas scale on (autoscaling_metric queue_wait "
+        "or ttft), by signal.",
+        ("model", "signal"),
+    ),
     _counter(
         "kvray_http_requests",
         "HTTP generation requests by model, tenant and status code (no model for a request "

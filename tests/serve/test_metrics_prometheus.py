@@ -48,6 +48,9 @@ ARGS = {
     "ingress_max_replicas": 1,
     "request_timeout_s": 120,
     "tenants": {"metered": {"tokens_per_minute": 1}},
+    # The autoscaling panels' target series (min = max replicas: nothing scales).
+    "autoscaling_metric": "queue_wait",
+    "target_queue_wait_s": 1.0,
 }
 # Sent before the burst and again after it: the burst evicts its blocks to the CPU tier.
 EVICTED = "A list of rivers by length, longest first, with the seas they flow into: " * 2
