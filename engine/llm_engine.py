@@ -269,7 +269,7 @@ class LLMEngine(ModelLifecycle):
         pipeline stages, up to one step per stage is in flight, each carrying other
         requests, so that every stage has work. `admit_new=False` admits no waiting request
         (the batch waits for more arrivals: `batch_wait_left`); a step left with nothing
-        to run is not launched.
+        to run is not launched, and the steps in flight are read.
         """
         outputs: list[RequestOutput] = []
         # A structured request's next mask follows from its latest token, a beam search's
@@ -278,8 +278,11 @@ class LLMEngine(ModelLifecycle):
         while len(self._pending) > max_pending:
             outputs += self._complete(*self._pending.popleft())
         scheduler_output = self.scheduler.schedule(admit_new)
-        if scheduler_output.is_empty and not self._pending and not admit_new:
+        if scheduler_output.is_empty and not admit_new:
+            # Only held requests wait: launch nothing, read what is in flight.
             self.scheduler.defer_finished(scheduler_output)
+            while self._pending:
+                outputs += self._complete(*self._pending.popleft())
             return self._drop_failed(outputs)
         if self.structured:
             scheduler_output.grammar_bitmask = self._grammar_bitmasks(scheduler_output)

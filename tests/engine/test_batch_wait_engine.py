@@ -98,3 +98,26 @@ def test_with_the_timeout_off_each_arrival_starts_when_it_comes():
     # slower than the gap between two arrivals.
     assert steps > 1
     assert max(ttfts) < TIMEOUT_MS / 1000 * 0.6
+
+
+def test_a_step_that_admits_no_one_launches_nothing_once_the_running_requests_are_done():
+    from engine import LLM
+
+    engine = LLM(model="tiny-llama", load_format="dummy", max_model_len=128).engine
+    launched = []
+    execute = engine.executor.execute_model_async
+    engine.executor.execute_model_async = lambda out: launched.append(out) or execute(out)
+    engine.add_request("running", [7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    engine.add_request("held", [7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = False
+    for _ in range(10):  # "running" decodes to its end while "held" is held back
+        finished |= any(o.finished for o in engine.step(admit_new=False))
+    assert finished and not engine.has_admitted_work()
+    assert all("held" not in out.num_scheduled_tokens for out in launched)
+    assert all(not out.is_empty for out in launched)  # nothing launched to wait
+    num_launched = len(launched)
+    engine.step(admit_new=False)
+    assert len(launched) == num_launched
+    engine.step()
+    assert "held" in launched[-1].num_scheduled_tokens
