@@ -253,6 +253,15 @@ class LLMEngine(ModelLifecycle):
         (batch_wait_timeout_ms; engine/core/batch_wait.py); 0: the next step admits them."""
         return self.scheduler.batch_wait_left(time.monotonic())
 
+    def set_batch_wait_timeout_ms(self, timeout_ms: float) -> None:
+        """Another dynamic batching timeout from the next step on (bench/batch_wait.py
+        compares several on one engine); a rebuilt engine takes its config's again."""
+        if not timeout_ms >= 0 or timeout_ms == float("inf"):
+            raise ValueError(
+                f"batch_wait_timeout_ms must be a finite number >= 0, got {timeout_ms}"
+            )
+        self.scheduler.batch_wait_timeout_s = timeout_ms / 1000
+
     def admission_steps(self) -> int:
         """Steps that admitted new requests so far (each starts their prompts)."""
         return self.scheduler.num_admitting_steps

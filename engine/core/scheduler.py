@@ -76,6 +76,8 @@ class Scheduler(SampleForks):
             self.offload = KVOffload(
                 self.kv_cache_manager, offload, scheduler_config.preemption_mode, self.policy
             )
+        self.batch_wait_timeout_s = scheduler_config.batch_wait_timeout_ms / 1000
+        """The dynamic batching timeout in force (LLMEngine.set_batch_wait_timeout_ms)."""
         self.num_admitting_steps = 0
         """Steps that admitted a waiting request (their prompts start there)."""
         self._awaiting_fork: dict[str, list[Request]] = {}
@@ -183,7 +185,7 @@ class Scheduler(SampleForks):
         """Seconds new requests are still held back (batch_wait_timeout_ms; 0: admit them
         now): engine/core/batch_wait.py."""
         return batch_wait_left(
-            self.config.batch_wait_timeout_ms / 1000,
+            self.batch_wait_timeout_s,
             now,
             self.waiting,
             len(self.running),

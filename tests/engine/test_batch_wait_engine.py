@@ -121,3 +121,8 @@ def test_a_step_that_admits_no_one_launches_nothing_once_the_running_requests_ar
     assert len(launched) == num_launched
     engine.step()
     assert "held" in launched[-1].num_scheduled_tokens
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="batch_wait_timeout_ms"):
+            engine.set_batch_wait_timeout_ms(bad)
+    engine.set_batch_wait_timeout_ms(20)
+    assert engine.scheduler.batch_wait_timeout_s == 0.02

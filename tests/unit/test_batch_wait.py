@@ -54,6 +54,13 @@ def test_running_requests_count_toward_a_full_batch():
     assert batch_wait_left(1.0, 0.0, [_Req(0.0)], 2, 1, 4, 64) == 0.0  # one swapped out
 
 
+def test_the_timeout_in_force_can_change_between_steps():
+    sched = _scheduler(timeout_ms=0)
+    sched.add_request(make_request("a", 5, arrival_time=0.0))
+    sched.batch_wait_timeout_s = 0.02  # LLMEngine.set_batch_wait_timeout_ms(20)
+    assert sched.batch_wait_left(0.0) == pytest.approx(0.02)
+
+
 def test_off_never_holds():
     sched = _scheduler(timeout_ms=0)
     sched.add_request(make_request("a", 5, arrival_time=0.0))
