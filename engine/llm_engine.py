@@ -287,12 +287,6 @@ class LLMEngine(ModelLifecycle):
         while len(self._pending) > max_pending:
             outputs += self._complete(*self._pending.popleft())
         scheduler_output = self.scheduler.schedule(admit_new)
-        if scheduler_output.is_empty and not admit_new:
-            # Only held requests wait: launch nothing, read what is in flight.
-            self.scheduler.defer_finished(scheduler_output)
-            while self._pending:
-                outputs += self._complete(*self._pending.popleft())
-            return self._drop_failed(outputs)
         if self.structured:
             scheduler_output.grammar_bitmask = self._grammar_bitmasks(scheduler_output)
         if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
@@ -301,6 +295,12 @@ class LLMEngine(ModelLifecycle):
             self.scheduler.defer_finished(scheduler_output)
             outputs += self._complete(*self._pending.popleft())
             scheduler_output = self.scheduler.schedule(admit_new)
+        if scheduler_output.is_empty and not admit_new:
+            # Only held requests wait: launch nothing, read what is in flight.
+            self.scheduler.defer_finished(scheduler_output)
+            while self._pending:
+                outputs += self._complete(*self._pending.popleft())
+            return self._drop_failed(outputs)
         if self.metrics is not None:
             self._record_scheduled(scheduler_output)
         self._pending.append(
