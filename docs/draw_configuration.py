@@ -148,6 +148,8 @@ def aliases_section() -> list[str]:
     ]
     for alias, entry in ALIASES.items():
         key = f"`{entry.key}`" if entry.key else "refused"
+        if entry.scale is not None:
+            key = f"`{entry.key}` / {entry.scale:g}"
         if entry.kvray_behaviour is not None:
             key = f"`{str(entry.kvray_behaviour).lower()}` accepted (no change), else refused"
         lines.append(f"| `{alias}` | {key} | {cell(entry.note)} |")

@@ -9,6 +9,7 @@ message that names what to use. docs/configuration.md lists the table.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ class Alias:
     kvray_behaviour: bool | None = None
     """For a refused alias: the value that only asks for what kvray does anyway, accepted
     (and dropped) so that a guide's command runs as written; any other value is refused."""
+    scale: float | None = None
+    """The key's value for an alias value of 1 where the two differ in unit (seconds ->
+    ms: 1000); None: the value as given."""
 
 
 ALIASES: dict[str, Alias] = {
@@ -42,9 +46,10 @@ ALIASES: dict[str, Alias] = {
         "pipeline_parallel_size for the batches in flight",
     ),
     "batch_timeout": Alias(
-        None,
-        "not supported yet: kvray batches continuously (each step takes the requests "
-        "waiting then) and has no dynamic batching timeout; drop it",
+        "batch_wait_timeout_ms",
+        "in seconds, as the guides write it (0.05: 50 ms, for interactive use): how long "
+        "new requests may wait for more arrivals to join their prefill step",
+        scale=1000,
     ),
     "skip_special_tokens": Alias(
         None,
@@ -78,8 +83,20 @@ def resolve_aliases(args: dict[str, Any], keys: Collection[str]) -> dict[str, An
             raise ValueError(
                 f"{alias} is another name for {entry.key}: give {entry.key} or {alias}, not both"
             )
-        resolved[entry.key] = resolved.pop(alias)
+        value = resolved.pop(alias)
+        resolved[entry.key] = value if entry.scale is None else _scaled(alias, value, entry.scale)
     return resolved
+
+
+def _scaled(alias: str, value: Any, scale: float) -> float:
+    """A number (or its text, from a flag) times `scale`; ValueError naming the alias."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if isinstance(value, bool) or number is None or not math.isfinite(number):
+        raise ValueError(f"{alias} must be a finite number, got {value!r}")
+    return number * scale
 
 
 def _as_bool(value: Any) -> bool | None:

@@ -156,6 +156,15 @@ class SchedulerConfig(_Frozen):
     in chunks), so that an arriving prompt holds up the running streams by a bounded step.
     0 or None: up to max_num_batched_tokens. EngineArgs.create_engine_config resolves None:
     SERVER_PREFILL_TOKENS_WITH_DECODES when serving, 0 offline."""
+    batch_wait_timeout_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """Dynamic batching: how long new requests may be held in the queue so that more
+    arrivals join their prefill step, in ms from the oldest waiting request's arrival. While
+    it runs, the step admits no new request (running ones go on decoding; with none
+    running the engine loop waits for arrivals instead of stepping); it ends early as soon
+    as the batch is full (max_num_seqs requests, or a whole step's max_num_batched_tokens of
+    prompt waiting). So no request's first token comes more than this later than without
+    it. Only where requests keep arriving (a server, AsyncEngine): the offline LLM never
+    waits. 0: off (engine/core/batch_wait.py). The guides' batch_timeout is this in s."""
     preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
     """How a request gives up its KV blocks when they run short: recompute frees them (its
     tokens are computed again when it resumes); swap copies them to the CPU pool

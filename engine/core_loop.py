@@ -112,9 +112,18 @@ class CoreLoop:
     def has_work(self) -> bool:
         return bool(self._compiling) or self.engine.has_unfinished_requests()
 
+    def arrival_wait_s(self) -> float:
+        """How long the caller may wait for more arrivals (new ops) before `step`: new
+        requests are held back for a batch (batch_wait_timeout_ms) and nothing else runs.
+        0: step now. The caller wakes at once for an op, which may fill the batch."""
+        if self._compiling or self.engine.has_admitted_work():
+            return 0.0
+        return self.engine.batch_wait_left()
+
     def step(self) -> Results:
         """Add the structured requests whose grammar is ready, then step the engine (with
-        only compiles pending, wait for one a moment instead)."""
+        only compiles pending, wait for one a moment instead). While new requests are held
+        back for a batch (`arrival_wait_s`), the running ones step without them."""
         results = Results()
         self._add_compiled(results)
         if not self.engine.has_unfinished_requests() and self._compiling:
@@ -122,7 +131,7 @@ class CoreLoop:
             wait(futures, timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
             self._add_compiled(results)
         if self.engine.has_unfinished_requests():
-            results.outputs += self.engine.step()
+            results.outputs += self.engine.step(admit_new=self.engine.batch_wait_left() <= 0)
             self.num_steps += 1
             for request_id, error in self.engine.take_failed():
                 self._live.discard(request_id)

@@ -247,10 +247,13 @@ def run_engine_process(engine_args: EngineArgs, usage_context: UsageContext, con
         conn.send(("results", payload, results.num_steps, events))
 
     try:
+        arrival_wait = 0.0
         while True:
             ops: list[Op] = []
             if not core.has_work():
                 ops.append(conn.recv())
+            elif arrival_wait > 0:
+                conn.poll(arrival_wait)  # a batch waits for more arrivals (batch_wait_left)
             while conn.poll():
                 ops.append(conn.recv())
             if None in ops:
@@ -263,7 +266,8 @@ def run_engine_process(engine_args: EngineArgs, usage_context: UsageContext, con
             applied = core.apply(ops)
             if applied:
                 send(applied)
-            if core.has_work():
+            arrival_wait = core.arrival_wait_s() if core.has_work() else 0.0
+            if core.has_work() and arrival_wait <= 0:
                 send(core.step())
     except EOFError:
         pass  # the parent went away

@@ -248,13 +248,37 @@ class LLMEngine(ModelLifecycle):
 
     # -- one step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def batch_wait_left(self) -> float:
+        """Seconds new requests are still held back for more arrivals to join them
+        (batch_wait_timeout_ms; engine/core/batch_wait.py); 0: the next step admits them."""
+        return self.scheduler.batch_wait_left(time.monotonic())
+
+    def set_batch_wait_timeout_ms(self, timeout_ms: float) -> None:
+        """Another dynamic batching timeout from the next step on (bench/batch_wait.py
+        compares several on one engine); a rebuilt engine takes its config's again."""
+        if not timeout_ms >= 0 or timeout_ms == float("inf"):
+            raise ValueError(
+                f"batch_wait_timeout_ms must be a finite number >= 0, got {timeout_ms}"
+            )
+        self.scheduler.batch_wait_timeout_s = timeout_ms / 1000
+
+    def admission_steps(self) -> int:
+        """Steps that admitted new requests so far (each starts their prompts)."""
+        return self.scheduler.num_admitting_steps
+
+    def has_admitted_work(self) -> bool:
+        """A step has something to run besides requests waiting for admission."""
+        return bool(self._pending or self.scheduler.running)
+
+    def step(self, admit_new: bool = True) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the steps that completed.
 
         With an executor that can overlap, step t+1 is scheduled and launched before step
         t's tokens are read back, so the host's work hides behind the device's. With
         pipeline stages, up to one step per stage is in flight, each carrying other
-        requests, so that every stage has work.
+        requests, so that every stage has work. `admit_new=False` admits no waiting request
+        (the batch waits for more arrivals: `batch_wait_left`); a step left with nothing
+        to run is not launched, and the steps in flight are read.
         """
         outputs: list[RequestOutput] = []
         # A structured request's next mask follows from its latest token, a beam search's
@@ -262,7 +286,7 @@ class LLMEngine(ModelLifecycle):
         max_pending = 0 if self.structured or self.beam_searches.active else self._max_pending()
         while len(self._pending) > max_pending:
             outputs += self._complete(*self._pending.popleft())
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule(admit_new)
         if self.structured:
             scheduler_output.grammar_bitmask = self._grammar_bitmasks(scheduler_output)
         if scheduler_output.is_empty and self._pending and not self.executor.supports_overlap:
@@ -270,7 +294,13 @@ class LLMEngine(ModelLifecycle):
             # again (this step's finished ids go to the workers with the next step).
             self.scheduler.defer_finished(scheduler_output)
             outputs += self._complete(*self._pending.popleft())
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self.scheduler.schedule(admit_new)
+        if scheduler_output.is_empty and not admit_new:
+            # Only held requests wait: launch nothing, read what is in flight.
+            self.scheduler.defer_finished(scheduler_output)
+            while self._pending:
+                outputs += self._complete(*self._pending.popleft())
+            return self._drop_failed(outputs)
         if self.metrics is not None:
             self._record_scheduled(scheduler_output)
         self._pending.append(
@@ -278,6 +308,9 @@ class LLMEngine(ModelLifecycle):
         )
         while len(self._pending) > max_pending:
             outputs += self._complete(*self._pending.popleft())
+        return self._drop_failed(outputs)
+
+    def _drop_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         failed = self.output_processor.failed
         if failed:
             outputs = [o for o in outputs if o.request_id not in failed]

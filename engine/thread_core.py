@@ -54,18 +54,23 @@ class ThreadCore:
     def _run(self) -> None:
         core = CoreLoop(self.engine)
         has_work = False
+        arrival_wait = 0.0
         try:
             while True:
                 with self._cond:
                     while not self._ops and not has_work and not self._stopping:
                         self._cond.wait()
+                    if arrival_wait > 0 and not self._ops and not self._stopping:
+                        # A batch waits for more arrivals: until one comes or time is up.
+                        self._cond.wait(arrival_wait)
                     if self._stopping:
                         break
                     ops, self._ops = self._ops, []
                 applied = core.apply(ops)
                 if applied:
                     self._deliver(applied)
-                if core.has_work():
+                arrival_wait = core.arrival_wait_s() if core.has_work() else 0.0
+                if core.has_work() and arrival_wait <= 0:
                     self.step_started = time.monotonic()
                     stepped = core.step()
                     self.step_started = None

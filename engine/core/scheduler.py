@@ -25,6 +25,7 @@ import bisect
 from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.batch_wait import batch_wait_left
 from engine.core.kv_cache import KVCacheManager
 from engine.core.kv_offload import KVOffload, OffloadSettings
 from engine.core.request import Request, RequestStatus
@@ -75,6 +76,10 @@ class Scheduler(SampleForks):
             self.offload = KVOffload(
                 self.kv_cache_manager, offload, scheduler_config.preemption_mode, self.policy
             )
+        self.batch_wait_timeout_s = scheduler_config.batch_wait_timeout_ms / 1000
+        """The dynamic batching timeout in force (LLMEngine.set_batch_wait_timeout_ms)."""
+        self.num_admitting_steps = 0
+        """Steps that admitted a waiting request (their prompts start there)."""
         self._awaiting_fork: dict[str, list[Request]] = {}
         """First sample's id -> the request's other samples (n > 1), waiting for its prompt
         to be computed to fork its blocks."""
@@ -176,7 +181,22 @@ class Scheduler(SampleForks):
             return 0.0
         return 1.0 - sum(r.num_computed_tokens for r in self.running) / num_slots
 
-    def schedule(self) -> SchedulerOutput:
+    def batch_wait_left(self, now: float) -> float:
+        """Seconds new requests are still held back (batch_wait_timeout_ms; 0: admit them
+        now): engine/core/batch_wait.py."""
+        return batch_wait_left(
+            self.batch_wait_timeout_s,
+            now,
+            self.waiting,
+            len(self.running),
+            len(self._swapped()),
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+        )
+
+    def schedule(self, admit_new: bool = True) -> SchedulerOutput:
+        """The next step. `admit_new=False`: no waiting request is admitted (the batch
+        waits for more arrivals); running requests are scheduled as always."""
         step = StepBudget(
             tokens=self.config.max_num_batched_tokens,
             prefill_tokens=self._prefill_budget(),
@@ -185,7 +205,9 @@ class Scheduler(SampleForks):
         self._schedule_running(step)
         # A step that had to preempt is short of blocks: admitting now would only thrash.
         forked = [] if step.preempted else self._fork_samples(step)
-        scheduled_new = [] if step.preempted else self._admit_waiting(step)
+        scheduled_new = [] if step.preempted or not admit_new else self._admit_waiting(step)
+        if scheduled_new:
+            self.num_admitting_steps += 1
         new = {r.request_id for r in (*forked, *scheduled_new)}
         scheduled_running = [self.requests[r] for r in step.num_scheduled if r not in new]
         # Forked beams the workers have not seen yet (engine/beam_search.py).

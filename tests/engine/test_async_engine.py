@@ -201,7 +201,13 @@ class _FailingEngine:
     def take_failed(self) -> list:
         return []
 
-    def step(self) -> list[RequestOutput]:
+    def has_admitted_work(self) -> bool:
+        return bool(self.requests)
+
+    def batch_wait_left(self) -> float:
+        return 0.0
+
+    def step(self, admit_new: bool = True) -> list[RequestOutput]:
         self.steps += 1
         if self.steps == 3:
             raise RuntimeError("device lost")

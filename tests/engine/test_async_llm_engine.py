@@ -45,8 +45,8 @@ def test_it_is_the_async_engine_built_from_the_engine_keys_and_their_aliases(tmp
         assert eng.engine.config.scheduler_config.max_num_seqs == 3
     finally:
         eng.shutdown()
-    with pytest.raises(ValueError, match="batch_timeout: not supported yet"):
-        AsyncLLMEngine.from_pretrained(str(tmp_path), batch_timeout=5)
+    with pytest.raises(ValueError, match="batch_timeout must be a finite number"):
+        AsyncLLMEngine.from_pretrained(str(tmp_path), batch_timeout="soon")
 
 
 def test_generate_gives_the_final_outputs_in_the_order_of_the_prompts(engine):

@@ -10,8 +10,8 @@ Pass today:
 - `AsyncLLMEngine.from_pretrained(model)`, `await engine.generate([...], max_tokens=...)`
   and `await engine.generate([...], stream=True)` with its `print(..., end="")` loop;
 - `tenant_id=` on `engine.generate` and `LLM.generate`;
-- the batching keys (max_batch_size is max_num_seqs; max_num_batches and batch_timeout
-  refused, naming what to use);
+- the batching keys (max_batch_size is max_num_seqs, batch_timeout is batch_wait_timeout_ms
+  in seconds; max_num_batches refused, naming what to use);
 - the server flags (`kvray serve --gpu-memory-utilization 0.8 --quantization awq
   --request-timeout 300 --tokenizer-mode slow`), `--skip-special-tokens` accepted (every
   request's default) and `--skip-special-tokens false` refused naming the request field;
@@ -42,6 +42,7 @@ from engine.api.protocol import CompletionRequest
 from engine.api.serving import OpenAIServing, RequestContext
 from engine.bundled import bundled_model_path
 from engine.config import EngineArgs
+from tests.support.tiny_models import write_tiny_llama
 
 MODEL_PATH = str(bundled_model_path())
 PROMPT = "The capital of France is"
@@ -157,10 +158,31 @@ def test_tenant_id_keeps_each_tenants_prefix_cache_its_own(engine, llm):
 def test_the_batching_keys_as_written_name_what_kvray_uses():
     with pytest.raises(ValueError, match=r"max_num_batches: .*max_num_seqs.*pipeline_parallel"):
         LLM(model=MODEL_PATH, max_batch_size=32, max_num_batches=4)
-    with pytest.raises(ValueError, match=r"batch_timeout: not supported yet.*drop it"):
-        AsyncLLMEngine.from_pretrained(MODEL_PATH, max_batch_size=32, batch_timeout=0.01)
     # kvray's spelling: the guides' batch size alone.
     assert EngineArgs(model=MODEL_PATH, max_batch_size=32).max_num_seqs == 32
+    both = r"batch_timeout is another name for batch_wait_timeout_ms: give .* not both"
+    with pytest.raises(ValueError, match=both):
+        EngineArgs(model=MODEL_PATH, batch_timeout=0.05, batch_wait_timeout_ms=50)
+
+
+def test_the_batch_timeout_as_written_holds_a_lone_request_that_long(tmp_path):
+    # The guide, with its 50 ms for interactive use (batch_timeout is in seconds); a tiny
+    # random checkpoint (no tokenizer: a prompt of token ids) starts in a fraction of the
+    # bundled model's time.
+    model_path = write_tiny_llama(tmp_path)
+    engine = AsyncLLMEngine.from_pretrained(model_path, max_batch_size=32, batch_timeout=0.05)
+    try:
+        scheduler = engine.engine.config.scheduler_config
+        assert (scheduler.max_num_seqs, scheduler.batch_wait_timeout_ms) == (32, 50)
+
+        async def guide() -> float:
+            start = time.monotonic()
+            await engine.generate([[5, 6, 7]], max_tokens=1)
+            return time.monotonic() - start
+
+        assert asyncio.run(guide()) >= 0.05
+    finally:
+        engine.shutdown()
 
 
 def test_the_server_flags_as_written_reach_the_app_config():

@@ -17,7 +17,6 @@ from engine.tokenizer import load_tokenizer
 RENAMED = [(alias, entry.key) for alias, entry in ALIASES.items() if entry.key is not None]
 REFUSED = {
     "max_num_batches": r"max_num_batches: .*pipeline_parallel_size.*max_num_seqs",
-    "batch_timeout": r"batch_timeout: not supported yet",
     "skip_special_tokens": r"skip_special_tokens: a field of each request .* set it per request",
 }
 
@@ -31,6 +30,7 @@ def test_the_table_names_real_keys_and_refuses_what_has_none():
     assert dict(RENAMED) == {
         "request_timeout": "request_timeout_s",
         "max_batch_size": "max_num_seqs",
+        "batch_timeout": "batch_wait_timeout_ms",
     }
 
 
@@ -41,12 +41,30 @@ def test_max_batch_size_is_max_num_seqs_in_engine_arguments():
 
 @pytest.mark.parametrize(("alias", "key"), RENAMED)
 def test_an_alias_reaches_its_key_as_an_app_key_a_models_entry_key_and_a_flag(alias, key):
-    assert getattr(load_app_config({alias: "7"}), key) == 7
+    value = 7 * (ALIASES[alias].scale or 1)  # batch_timeout: seconds, its key ms
+    assert getattr(load_app_config({alias: "7"}), key) == value
     flagged, _ = parse_serve_args(["serve", _flag(alias), "7"])
-    assert getattr(flagged, key) == 7
-    if key == "max_num_seqs":  # a per-model key: it goes in the entry
+    assert getattr(flagged, key) == value
+    if key in ("max_num_seqs", "batch_wait_timeout_ms"):  # per-model keys: in the entry
         entry = load_app_config({"models": [{"model": "m", alias: 7}]}).model_configs()[0]
-        assert getattr(entry, key) == 7
+        assert getattr(entry, key) == value
+        assert getattr(EngineArgs(**{alias: 7}), key) == value
+
+
+def test_batch_timeout_is_in_seconds_and_reaches_the_engine_in_ms(capsys):
+    assert EngineArgs(batch_timeout=0.05).batch_wait_timeout_ms == 50
+    config, _ = parse_serve_args(["serve", "--batch-timeout", "0.05"])
+    assert config.engine_args().batch_wait_timeout_ms == 50
+    flagged, _ = parse_serve_args(["serve", "--batch-wait-timeout-ms", "20"])
+    assert flagged.engine_args().batch_wait_timeout_ms == 20
+    for bad in ("soon", "nan", True):
+        with pytest.raises(ValueError, match="batch_timeout must be a finite number"):
+            load_app_config({"batch_timeout": bad})
+    with pytest.raises(ValueError, match="batch_wait_timeout_ms"):
+        load_app_config({"batch_timeout": -1})
+    with pytest.raises(SystemExit):
+        parse_serve_args(["serve", "--batch-wait-timeout-ms", "-1"])
+    assert "batch_wait_timeout_ms" in capsys.readouterr().err
 
 
 def test_request_timeout_takes_none_like_request_timeout_s():
@@ -64,9 +82,9 @@ def test_an_alias_beside_its_key_is_refused_naming_both(alias, key, capsys):
     with pytest.raises(SystemExit):
         parse_serve_args(["serve", _flag(alias), "3", _flag(key), "3"])
     assert f"give {key} or {alias}, not both" in capsys.readouterr().err
-    if key == "max_num_seqs":
+    if key in ("max_num_seqs", "batch_wait_timeout_ms"):
         with pytest.raises(ValueError, match=both):
-            EngineArgs(max_batch_size=3, max_num_seqs=3)
+            EngineArgs(**{alias: 3, key: 3})
         with pytest.raises(ValueError, match=rf"models\[0\]: {both}"):
             load_app_config({"models": [{"model": "m", alias: 3, key: 3}]})
 
