@@ -118,6 +118,17 @@ METRICS: tuple[MetricDef, ...] = (
     ),  # fmt: skip
     _histogram("kvray_batch_size", "Requests scheduled per engine step.", COUNT_BUCKETS),
     _gauge("kvray_replica_ready", "1 while this replica's engine loop is healthy, else 0."),
+    _gauge(
+        "kvray_model_state",
+        "1 for the lifecycle state a replica's model is in (serving, switching, asleep), "
+        "0 for the others.",
+        ("model", "state"),
+    ),
+    _counter(
+        "kvray_model_switches",
+        "Model loads a replica finished, by outcome (done, or failed: the old model serves on).",
+        ("model", "outcome"),
+    ),
     _counter(
         "kvray_http_requests",
         "HTTP generation requests by model, tenant and status code (no model for a request "
