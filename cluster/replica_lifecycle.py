@@ -79,7 +79,7 @@ class ReplicaLifecycle:
         self.sink = sink
         self.state = "serving"
         self.sleep_level = 0
-        self.switches = 0
+        self.switches = {"done": 0, "failed": 0}
         self._settled = asyncio.Event()  # set while not switching
         self._settled.set()
         self._lock = asyncio.Lock()  # one admin operation at a time
@@ -149,7 +149,6 @@ class ReplicaLifecycle:
                         code="model_load_failed",
                     ) from None
                 await self.warm_up()
-                self.switches += 1
                 self._count("done")
             finally:
                 self._enter("serving")
@@ -228,13 +227,16 @@ class ReplicaLifecycle:
         self.publish()
 
     def publish(self) -> None:
-        """The state gauge (set again on health checks: Ray drops a gauge left unset)."""
+        """The gauges of the state and of the switches (set again on health checks)."""
         if self.sink is None:
             return
         for state in STATES:
             labels = {"model": self.model, "state": state}
             self.sink.set("kvray_model_state", 1.0 if state == self.state else 0.0, labels)
+        for outcome, count in self.switches.items():
+            labels = {"model": self.model, "outcome": outcome}
+            self.sink.set("kvray_model_switches", float(count), labels)
 
     def _count(self, outcome: str) -> None:
-        if self.sink is not None:
-            self.sink.inc("kvray_model_switches", 1, {"model": self.model, "outcome": outcome})
+        self.switches[outcome] += 1
+        self.publish()

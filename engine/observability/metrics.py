@@ -124,9 +124,10 @@ METRICS: tuple[MetricDef, ...] = (
         "0 for the others.",
         ("model", "state"),
     ),
-    _counter(
+    _gauge(
         "kvray_model_switches",
-        "Model loads a replica finished, by outcome (done, or failed: the old model serves on).",
+        "Model loads this replica has finished since it started, by outcome (done, or failed: "
+        "the old model serves on); a gauge, so that a replica that never switched shows 0.",
         ("model", "outcome"),
     ),
     _counter(

@@ -158,8 +158,8 @@ def test_keys_switch_sleep_and_wake(checkpoints):
             assert [(c["id"], c["root"]) for c in cards] == [("m", model)]
             switched = _tokens(await _complete(client))
             assert (switched == _tokens(before)) == (model == checkpoints["a"])
-        assert sink.counters[("kvray_model_switches", ("model", "m"), ("outcome", "done"))] == 2
-        assert sink.counters[("kvray_model_switches", ("model", "m"), ("outcome", "failed"))] == 2
+        assert sink.gauges[("kvray_model_switches", ("model", "m"), ("outcome", "done"))] == 2
+        assert sink.gauges[("kvray_model_switches", ("model", "m"), ("outcome", "failed"))] == 2
 
         # Asleep: generation is a 503 naming the wake-up; awake again, the same tokens.
         response = await client.post("/v1/admin/sleep", json={"level": 1}, headers=ADMIN)
@@ -189,6 +189,29 @@ def test_wake_on_request_wakes_a_sleeping_model(checkpoints):
         assert _tokens(await _complete(client)) == before
         status = await client.get("/v1/admin/is_sleeping", headers=ADMIN)
         assert status.json()["is_sleeping"] is False
+
+    _serve(checkpoints, args, steps)
+
+
+def test_a_request_past_the_drain_bound_ends_with_a_clear_error(checkpoints):
+    args = {"admin_api_keys": ["admin-key"], "switch_drain_timeout_s": 0}
+
+    async def steps(client, sink):
+        long = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True}
+        whole = asyncio.create_task(client.post("/v1/completions", json=long))
+        streamed = asyncio.create_task(
+            client.post("/v1/completions", json={**long, "stream": True})
+        )
+        await asyncio.sleep(0.3)
+        body = {"model": checkpoints["b"], "weights_only": True}
+        switched = await client.post("/v1/admin/load_model", json=body, headers=ADMIN)
+        assert switched.status_code == 200, switched.text
+        whole, streamed = await whole, await streamed
+        assert whole.status_code == 503 and whole.json()["error"]["code"] == "model_switching"
+        assert streamed.status_code == 200
+        assert '"code": "model_switching"' in streamed.text.replace('":"', '": "')
+        assert streamed.text.endswith("data: [DONE]\n\n")
+        assert _tokens(await _complete(client))  # the new model serves
 
     _serve(checkpoints, args, steps)
 
