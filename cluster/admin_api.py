@@ -29,12 +29,20 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
+from cluster.http_app import error_response
 from cluster.local_server import LocalServer
+from cluster.model_router import ModelRouter
+from cluster.request_bodies import read_body
 from engine.api.errors import APIError, quoted_names
 
 ADMIN_PREFIX = "/v1/admin/"
+CLIENT_GONE = 499
+"""A request whose client went away (as the ingress counts it)."""
 
 
 class AdminAuth:
@@ -122,14 +130,46 @@ class ModelAdmin:
     """The lifecycle operations over each served model's replicas (`servers`: served name ->
     LLMServer handle, or a LocalServer under colocate_ingress: its one engine)."""
 
-    def __init__(self, servers: Mapping[str, Any], name_for: Any) -> None:
+    def __init__(
+        self, servers: Mapping[str, Any], router: ModelRouter, auth: AdminAuth, max_body: int
+    ) -> None:
         self.servers = dict(servers)
-        self.name_for = name_for
+        self.router = router
+        self.auth = auth
+        self.max_body = max_body
 
     def models_of(self, served_model_name: str | None) -> list[str]:
-        return (
-            list(self.servers) if served_model_name is None else [self.name_for(served_model_name)]
-        )
+        if served_model_name is None:
+            return list(self.servers)
+        return [self.router.name_for(served_model_name)]
+
+    async def respond(self, request: Request, operation: str) -> Response:
+        """An admin route's answer: its key checked, its body read, the operation run on the
+        model's replicas; errors in OpenAI's shape."""
+        try:
+            self.auth.check(request.method, request.url.path, request.headers)
+            body = None
+            if operation in ADMIN_BODIES:
+                raw = await read_body(request, self.max_body)
+                body = parse_admin_body(operation, raw)
+            if operation == "load_model":
+                try:
+                    result = await self.load_model(body)
+                finally:
+                    self.router.forget_models()
+            elif operation == "is_sleeping":
+                models = await self.on_every_replica("is_sleeping", None)
+                asleep = all(r["is_sleeping"] for found in models.values() for r in found)
+                result = {"is_sleeping": asleep, "models": models}
+            else:
+                args = (body.level,) if operation == "sleep" else ()
+                models = await self.on_every_replica(operation, body.served_model_name, *args)
+                result = {"models": models}
+        except APIError as e:
+            return error_response(e)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(result)
 
     async def load_model(self, body: LoadModelBody) -> dict:
         if body.served_model_name is None and len(self.servers) > 1:

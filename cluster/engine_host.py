@@ -229,8 +229,13 @@ class EngineHost:
         return self.engine.is_healthy
 
     def check_health(self) -> None:
-        self.readiness.set(self.engine.is_healthy)
         self.lifecycle.publish()
+        if self.lifecycle.state == "switching":
+            # A whole switch tears the engine's executor down and builds it again on the
+            # engine's thread: its own check would see it half-built, and Serve would
+            # replace a replica that is only loading.
+            return
+        self.readiness.set(self.engine.is_healthy)
         self.engine.check_health()
 
     def shutdown(self) -> None:

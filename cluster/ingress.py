@@ -35,14 +35,7 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
-from cluster.admin_api import (
-    ADMIN_BODIES,
-    ADMIN_OPERATIONS,
-    ADMIN_PREFIX,
-    AdminAuth,
-    ModelAdmin,
-    parse_admin_body,
-)
+from cluster.admin_api import ADMIN_OPERATIONS, ADMIN_PREFIX, AdminAuth, ModelAdmin
 from cluster.app_config import AppConfig
 from cluster.grpc_api.methods import GrpcMethods
 from cluster.http_app import (
@@ -129,7 +122,9 @@ class OpenAIIngress(GrpcMethods):
         }
         self.config = config
         self.admin_auth = AdminAuth(config.admin_api_keys, config.api_keys)
-        self.admin = ModelAdmin(servers, self.router.name_for)
+        self.admin = ModelAdmin(
+            servers, self.router, self.admin_auth, config.max_request_body_bytes
+        )
         self.limiter = limiter
         self.resolver = TenantResolver(config.api_keys, config.tenants)
         # With API keys the tenants are the keys' (a bounded set); without, any header value.
@@ -155,9 +150,11 @@ class OpenAIIngress(GrpcMethods):
                 ("POST", "/v1/chat/completions"): self.chat_completions,
                 ("POST", "/tokenize"): self.tokenize,
                 ("POST", "/detokenize"): self.detokenize,
+                # Only with admin keys: without, /v1/admin/* is no route at all (404, no 405).
                 **{
                     (method, ADMIN_PREFIX + operation): self._admin_route(operation)
                     for method, operation in ADMIN_OPERATIONS
+                    if self.admin_auth.enabled
                 },
             }
         )
@@ -173,37 +170,9 @@ class OpenAIIngress(GrpcMethods):
 
     def _admin_route(self, operation: str) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            return await self.admin_call(request, operation)
+            return await self.admin.respond(request, operation)
 
         return endpoint
-
-    async def admin_call(self, request: Request, operation: str) -> Response:
-        """An admin route (cluster/admin_api.py): its key checked, its body read, the
-        operation run on the model's replicas."""
-        try:
-            self.admin_auth.check(request.method, request.url.path, request.headers)
-            body = None
-            if operation in ADMIN_BODIES:
-                raw = await read_body(request, self.config.max_request_body_bytes)
-                body = parse_admin_body(operation, raw)
-            if operation == "load_model":
-                try:
-                    result = await self.admin.load_model(body)
-                finally:
-                    self.router.forget_models()
-            elif operation == "is_sleeping":
-                models = await self.admin.on_every_replica("is_sleeping", None)
-                asleep = all(r["is_sleeping"] for found in models.values() for r in found)
-                result = {"is_sleeping": asleep, "models": models}
-            else:
-                args = (body.level,) if operation == "sleep" else ()
-                models = await self.admin.on_every_replica(operation, body.served_model_name, *args)
-                result = {"models": models}
-        except APIError as e:
-            return error_response(e)
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_GONE)
-        return JSONResponse(result)
 
     async def stats(self, model: str | None = None) -> dict:
         """The engine's counters of `model` (tests and tools; not an HTTP route)."""

@@ -73,7 +73,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def _serve(checkpoints, args: dict, steps):
-    """An ingress over a real host of checkpoint a; `steps(client, sink)` drives it."""
+    """An ingress over a real host of checkpoint a; `steps(client, host)` drives it."""
     sink = RecordingSink()
 
     async def go():
@@ -84,7 +84,7 @@ def _serve(checkpoints, args: dict, steps):
             ingress = await build_ingress(LocalServer(host, 8), config)
             transport = httpx.ASGITransport(app=ingress.__serve_build_asgi_app__())
             async with httpx.AsyncClient(transport=transport, base_url="http://kvray") as client:
-                return await steps(client, sink)
+                return await steps(client, host)
         finally:
             host.shutdown()
 
@@ -113,18 +113,27 @@ def _tokens(response: httpx.Response) -> list[int]:
 
 
 def test_admin_routes_are_off_without_admin_keys(checkpoints):
-    async def steps(client, sink):
-        response = await client.post("/v1/admin/sleep", json={"level": 1}, headers=ADMIN)
-        assert response.status_code == 404
-        assert response.json()["error"]["code"] == "not_found"
+    async def steps(client, host):
+        for method, path in (("POST", "sleep"), ("GET", "sleep"), ("GET", "is_sleeping")):
+            response = await client.request(method, f"/v1/admin/{path}", headers=ADMIN)
+            assert response.status_code == 404
+            assert response.json()["error"]["code"] == "not_found"
 
     _serve(checkpoints, {}, steps)
 
 
-def test_keys_switch_sleep_and_wake(checkpoints):
-    keys = {"admin_api_keys": ["admin-key"], "api_keys": {"user-key": "team"}}
+# In an engine process (the default on one GPU) the host reads the switched model's name,
+# tokenizer and limits again over the pipe (AsyncEngine.refresh_model_info).
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_keys_switch_sleep_and_wake(checkpoints, engine_process):
+    keys = {
+        "admin_api_keys": ["admin-key"],
+        "api_keys": {"user-key": "team"},
+        "engine_process": engine_process,
+    }
 
-    async def steps(client, sink):
+    async def steps(client, host):
+        sink = host.lifecycle.sink
         # Refused: a user's key (403), no key (401); in OpenAI's error shape.
         for headers, status in ((USER, 403), ({}, 401), ({"Authorization": "Bearer x"}, 401)):
             response = await client.post("/v1/admin/wake_up", headers=headers)
@@ -183,7 +192,7 @@ def test_keys_switch_sleep_and_wake(checkpoints):
 def test_wake_on_request_wakes_a_sleeping_model(checkpoints):
     args = {"admin_api_keys": ["admin-key"], "wake_on_request": True}
 
-    async def steps(client, sink):
+    async def steps(client, host):
         before = _tokens(await _complete(client))
         assert (await client.post("/v1/admin/sleep", json={"level": 2}, headers=ADMIN)).is_success
         assert _tokens(await _complete(client)) == before
@@ -196,21 +205,26 @@ def test_wake_on_request_wakes_a_sleeping_model(checkpoints):
 def test_a_request_past_the_drain_bound_ends_with_a_clear_error(checkpoints):
     args = {"admin_api_keys": ["admin-key"], "switch_drain_timeout_s": 0}
 
-    async def steps(client, sink):
-        long = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True}
+    async def steps(client, host):
+        long = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 110, "ignore_eos": True}
         whole = asyncio.create_task(client.post("/v1/completions", json=long))
         streamed = asyncio.create_task(
             client.post("/v1/completions", json={**long, "stream": True})
         )
-        await asyncio.sleep(0.3)
+        while len(host.lifecycle._running) < 2:  # both run: the switch aborts them at once
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.05)  # a few tokens in: the stream has begun (mostly)
         body = {"model": checkpoints["b"], "weights_only": True}
         switched = await client.post("/v1/admin/load_model", json=body, headers=ADMIN)
         assert switched.status_code == 200, switched.text
         whole, streamed = await whole, await streamed
         assert whole.status_code == 503 and whole.json()["error"]["code"] == "model_switching"
-        assert streamed.status_code == 200
-        assert '"code": "model_switching"' in streamed.text.replace('":"', '": "')
-        assert streamed.text.endswith("data: [DONE]\n\n")
+        if streamed.status_code == 200:  # begun: an SSE error event ends it
+            assert '"code": "model_switching"' in streamed.text.replace('":"', '": "')
+            assert streamed.text.endswith("data: [DONE]\n\n")
+        else:  # aborted before its first event
+            assert streamed.status_code == 503
+            assert streamed.json()["error"]["code"] == "model_switching"
         assert _tokens(await _complete(client))  # the new model serves
 
     _serve(checkpoints, args, steps)
