@@ -107,7 +107,7 @@ class EngineHost:
             yield refused
             return
         # No await between admit and started: a drain must see every request that runs.
-        task = self.lifecycle.started()
+        running = self.lifecycle.started()
         streaming = False
         try:
             if self.served_prefixes is not None:
@@ -120,6 +120,8 @@ class EngineHost:
             except APIError as e:
                 yield e
                 return
+            finally:
+                running.in_engine = False
             if not isinstance(result, SSEStream):
                 yield result.model_dump(mode="json")
                 return
@@ -127,26 +129,38 @@ class EngineHost:
             streaming = True
             yield result.prompt_tokens
             try:
-                async for text in events:
+                # `in_engine` marks where a drain may cancel this task (ReplicaRequest says why).
+                while not running.aborted:
+                    running.in_engine = True
+                    try:
+                        text = await anext(events)
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        running.in_engine = False
                     yield text
             finally:
                 # A caller in the same process closes this generator at its `yield`, where
                 # no cancellation reaches `events`: close it, so the engine request ends now.
                 await events.aclose()
-            yield result.usage
-        except asyncio.CancelledError:
-            if not self.lifecycle.was_aborted(task):
-                raise
-            error = switch_aborted(self.lifecycle.model)
-            if not streaming:
-                yield error
+            if not running.aborted:
+                yield result.usage
                 return
-            from engine.api.stream import DONE, sse_error
-
-            yield sse_error(error.to_response().model_dump())
-            yield DONE
+        except asyncio.CancelledError:
+            if not self.lifecycle.took_back(running):
+                raise
         finally:
-            self.lifecycle.ended(task)
+            self.lifecycle.ended(running)
+        # Aborted by a drain (cluster/replica_lifecycle.py): a clear error, as an SSE event
+        # where the stream has begun.
+        error = switch_aborted(self.lifecycle.model)
+        if not streaming:
+            yield error
+            return
+        from engine.api.stream import DONE, sse_error
+
+        yield sse_error(error.to_response().model_dump())
+        yield DONE
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What Serve's controller pulls for the router: the served prompt starts as a
@@ -201,6 +215,8 @@ class EngineHost:
         if pool is not None:
             pool.shutdown(wait=False)
         self.model_path = model
+        if self.served_prefixes is not None:  # the engine's prefix cache was reset
+            self.served_prefixes = PrefixSketch()
 
     async def _warm_up(self) -> None:
         """One token through the model before it takes traffic again."""

@@ -50,6 +50,32 @@ def asleep(model: str) -> APIError:
     )
 
 
+class ReplicaRequest:
+    """A request running on the replica, as a drain sees it.
+
+    A drain aborts it by cancelling its task only while the task waits on the engine
+    (`in_engine`, set by the host around those awaits): a cancellation that landed where
+    the request hands an item to its caller would end it there, without its error. Between
+    engine outputs the request sees `aborted` itself, after its current item.
+    """
+
+    __slots__ = ("task", "in_engine", "aborted", "cancelled")
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.in_engine = True
+        self.aborted = False
+        self.cancelled = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.in_engine and not self.cancelled:
+            self.cancelled = True
+            self.task.cancel()
+
+
 class ReplicaLifecycle:
     """The state of one replica's model and the admin operations on it.
 
@@ -83,8 +109,7 @@ class ReplicaLifecycle:
         self._settled = asyncio.Event()  # set while not switching
         self._settled.set()
         self._lock = asyncio.Lock()  # one admin operation at a time
-        self._running: set[asyncio.Task] = set()
-        self._aborted: set[asyncio.Task] = set()
+        self._running: set[ReplicaRequest] = set()
         self.publish()
 
     # -- the request path ------------------------------------------------------------------
@@ -101,24 +126,22 @@ class ReplicaLifecycle:
                 await self._settled.wait()
         return None
 
-    def started(self) -> asyncio.Task:
+    def started(self) -> ReplicaRequest:
         """The calling request runs: a drain waits for it (or aborts it past its bound)."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._running.add(task)
-        return task
+        running = ReplicaRequest()
+        self._running.add(running)
+        return running
 
-    def ended(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
-        self._aborted.discard(task)
+    def ended(self, running: ReplicaRequest) -> None:
+        self._running.discard(running)
 
-    def was_aborted(self, task: asyncio.Task) -> bool:
-        """Whether the cancellation `task` sees is a drain's abort (then it is taken back:
-        the request answers with `switch_aborted`)."""
-        if task not in self._aborted:
+    def took_back(self, running: ReplicaRequest) -> bool:
+        """Whether the cancellation `running` sees is a drain's abort; if so it is taken back
+        (the request answers with `switch_aborted`)."""
+        if not running.cancelled:
             return False
-        self._aborted.discard(task)
-        task.uncancel()
+        running.cancelled = False
+        running.task.uncancel()
         return True
 
     # -- admin operations ------------------------------------------------------------------
@@ -211,9 +234,8 @@ class ReplicaLifecycle:
             len(self._running),
             bound,
         )
-        for task in list(self._running):
-            self._aborted.add(task)
-            task.cancel()
+        for running in list(self._running):
+            running.abort()
         deadline = loop.time() + ABORT_WAIT_S
         while self._running and loop.time() < deadline:
             await asyncio.sleep(0.01)

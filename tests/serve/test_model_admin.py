@@ -250,16 +250,16 @@ async def _request(lifecycle: ReplicaLifecycle, seconds: float, log: list) -> No
     """A request as the host runs one: admitted, running `seconds`, answered."""
     refused = await lifecycle.admit()
     assert refused is None
-    task = lifecycle.started()
+    running = lifecycle.started()
     try:
-        await asyncio.sleep(seconds)
+        await asyncio.sleep(seconds)  # in the engine
         log.append(("done", seconds))
     except asyncio.CancelledError:
-        if not lifecycle.was_aborted(task):
+        if not lifecycle.took_back(running):
             raise
         log.append(("aborted", seconds))
     finally:
-        lifecycle.ended(task)
+        lifecycle.ended(running)
 
 
 def test_a_switch_drains_holds_new_requests_and_aborts_past_its_bound():
@@ -300,3 +300,34 @@ def test_admin_keys_are_checked_and_kept_apart_from_user_keys():
     with pytest.raises(ValueError, match="switch_drain_timeout_s"):
         load_app_config({"switch_drain_timeout_s": -1})
     assert json.loads(json.dumps(config.model_dump()))["wake_on_request"] is False
+
+
+def test_a_request_between_engine_outputs_is_aborted_without_a_cancellation():
+    """A cancellation that landed where a stream hands an item to its caller would end it
+    without its error: there the request sees `aborted` after the item instead."""
+
+    async def go():
+        engine = _Engine()
+        lifecycle = ReplicaLifecycle(
+            "m", engine.call, engine.load, engine.warm_up, drain_timeout_s=0
+        )
+
+        async def stream() -> int:
+            running = lifecycle.started()
+            items = 0
+            try:
+                while not running.aborted:
+                    running.in_engine = False
+                    await asyncio.sleep(0.01)  # the caller takes the item
+                    items += 1
+            finally:
+                lifecycle.ended(running)
+            return items
+
+        task = asyncio.create_task(stream())
+        await asyncio.sleep(0.03)
+        await lifecycle.load_model("new", True)
+        return await task, engine.calls  # a cancellation would raise here
+
+    items, calls = asyncio.run(go())
+    assert items >= 1 and calls == ["load new", "warm_up"]
