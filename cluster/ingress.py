@@ -35,6 +35,7 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
+from cluster.admin_api import ADMIN_OPERATIONS, ADMIN_PREFIX, AdminAuth, ModelAdmin
 from cluster.app_config import AppConfig
 from cluster.grpc_api.methods import GrpcMethods
 from cluster.http_app import (
@@ -120,6 +121,10 @@ class OpenAIIngress(GrpcMethods):
             for name, handle in servers.items()
         }
         self.config = config
+        self.admin_auth = AdminAuth(config.admin_api_keys, config.api_keys)
+        self.admin = ModelAdmin(
+            servers, self.router, self.admin_auth, config.max_request_body_bytes
+        )
         self.limiter = limiter
         self.resolver = TenantResolver(config.api_keys, config.tenants)
         # With API keys the tenants are the keys' (a bounded set); without, any header value.
@@ -145,6 +150,12 @@ class OpenAIIngress(GrpcMethods):
                 ("POST", "/v1/chat/completions"): self.chat_completions,
                 ("POST", "/tokenize"): self.tokenize,
                 ("POST", "/detokenize"): self.detokenize,
+                # Only with admin keys: without, /v1/admin/* is no route at all (404, no 405).
+                **{
+                    (method, ADMIN_PREFIX + operation): self._admin_route(operation)
+                    for method, operation in ADMIN_OPERATIONS
+                    if self.admin_auth.enabled
+                },
             }
         )
         kinds = {
@@ -156,6 +167,12 @@ class OpenAIIngress(GrpcMethods):
         publish_request_bodies(fastapi_app, {p: REQUEST_MODELS[k] for p, k in kinds.items()})
         hot = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
         return HotRoutes(hot, fastapi_app)
+
+    def _admin_route(self, operation: str) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await self.admin.respond(request, operation)
+
+        return endpoint
 
     async def stats(self, model: str | None = None) -> dict:
         """The engine's counters of `model` (tests and tools; not an HTTP route)."""
@@ -200,11 +217,19 @@ class OpenAIIngress(GrpcMethods):
             self.resolver.resolve(request.headers)
         except APIError as e:
             return error_response(e)
+        self._models_may_change()
         return JSONResponse(await self.router.models())
+
+    def _models_may_change(self) -> None:
+        # With the admin API on, another ingress replica may have switched a model: the
+        # list (each card's `root`, the checkpoint a replica runs) is asked for each time.
+        if self.admin_auth.enabled:
+            self.router.forget_models()
 
     async def model(self, request: Request, model_id: str) -> JSONResponse:
         try:
             self.resolver.resolve(request.headers)
+            self._models_may_change()
             return JSONResponse(await self.router.model_card(model_id))
         except APIError as e:
             return error_response(e)

@@ -63,6 +63,10 @@ class ModelRouter:
             self._models = {**lists[0], "data": cards}
         return self._models
 
+    def forget_models(self) -> None:
+        """The model list is asked for again (a model switch may have changed it)."""
+        self._models = None
+
     async def model_card(self, model_id: str) -> dict:
         """OpenAI's retrieve-model answer: the card whose id is `model_id`, else a 404."""
         cards = (await self.models())["data"]

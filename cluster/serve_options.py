@@ -129,6 +129,17 @@ class ServeOptions(BaseModel):
     """The mean queue wait (seconds) autoscaling_metric queue_wait aims at."""
     target_ttft_s: float | None = Field(default=None, gt=0)
     """The mean time to first token (seconds) autoscaling_metric ttft aims at."""
+    # -- the model lifecycle's admin API (cluster/admin_api.py) --
+    admin_api_keys: list[str] = Field(default_factory=list)
+    """Keys of the admin routes (/v1/admin/*: load_model, sleep, wake_up, is_sleeping,
+    reset_prefix_cache) as `Authorization: Bearer <key>`; none: those routes are off (404).
+    Separate from api_keys: a user's key gets 403 there."""
+    switch_drain_timeout_s: float | None = Field(default=60.0, ge=0)
+    """A replica that switches models or goes to sleep lets its running requests finish for
+    this long, then aborts the rest with a 503 `model_switching`; none/null: waits for all."""
+    wake_on_request: bool = False
+    """A sleeping model wakes for the first generation request (which waits for it) instead
+    of answering 503 `model_asleep`."""
 
     @property
     def prefix_affinity(self) -> bool:
@@ -181,6 +192,25 @@ class ServeOptions(BaseModel):
                 )
         return value
 
+    @field_validator("admin_api_keys")
+    @classmethod
+    def _check_admin_api_keys(cls, value: list[str]) -> list[str]:
+        for index, key in enumerate(value):
+            problem = _header_problem(key)
+            if problem is not None:  # named by its place: the key is a secret
+                raise ValueError(f"admin_api_keys[{index}] {problem}: a key is {_HEADER_TEXT}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_admin_keys_apart(self) -> ServeOptions:
+        for index, key in enumerate(self.admin_api_keys):
+            if key in self.api_keys:
+                raise ValueError(
+                    f"admin_api_keys[{index}] is also a key of api_keys: an admin key is a key "
+                    "of its own"
+                )
+        return self
+
     @model_validator(mode="after")
     def _check_tenant_names(self) -> ServeOptions:
         keyed = set(self.api_keys.values())
@@ -223,6 +253,14 @@ class ServeOptions(BaseModel):
     def _json_string(cls, value: Any) -> Any:
         # `serve run ... api_keys='{"k": "team"}'` and CLI flags hand dicts over as JSON text.
         return json_text(value)
+
+    @field_validator("admin_api_keys", mode="before")
+    @classmethod
+    def _admin_keys_text(cls, value: Any) -> Any:
+        # `serve run ... admin_api_keys='["k1"]'` (JSON) or one key as plain text.
+        if isinstance(value, str):
+            return json_text(value) if value.startswith("[") else [value]
+        return value
 
 
 def json_text(value: Any) -> Any:

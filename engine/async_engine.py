@@ -274,13 +274,22 @@ class AsyncEngine:
         """Abort a request (thread-safe); its stream ends and its KV blocks are freed."""
         self._submit(AbortOp(request_id))
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """`engine.<method>(*args)` run by the engine loop between steps; its result."""
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`engine.<method>(*args, **kwargs)` run by the engine loop between steps; its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
-        self._submit(CallOp(call_id, method, args))
+        self._submit(CallOp(call_id, method, args, kwargs))
         return await asyncio.wrap_future(future)
+
+    async def refresh_model_info(self) -> None:
+        """Read the model's name, tokenizer and limits again: after a `call` of the engine's
+        load_model, which may have changed them."""
+        if self.in_process:
+            self._tokenizer = self.engine.tokenizer
+            return
+        self._info = self._core.info = await self.call("serving_info")
+        self._tokenizer = self._info["tokenizer"]
 
     async def stats(self) -> dict:
         """The engine's `stats()`, read between steps."""

@@ -39,11 +39,12 @@ class AbortOp:
 
 @dataclass
 class CallOp:
-    """`getattr(engine, method)(*args)` between steps; the result goes back by `call_id`."""
+    """`getattr(engine, method)(*args, **kwargs)` between steps; the result goes back by `call_id`."""
 
     call_id: int
     method: str
     args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
 
 
 Op = AddOp | AbortOp | CallOp
@@ -102,7 +103,7 @@ class CoreLoop:
                     results.ended.append(op.request_id)
             else:
                 try:
-                    result = getattr(self.engine, op.method)(*op.args)
+                    result = getattr(self.engine, op.method)(*op.args, **op.kwargs)
                 except Exception as e:
                     results.calls.append((op.call_id, None, e))
                 else:

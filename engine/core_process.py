@@ -189,8 +189,24 @@ class _EngineProcessCalls:
         self.sink = BufferedSink()
         self.engine.enable_metrics(self.sink, flush_interval_s)
 
+    def serving_info(self) -> dict[str, Any]:
+        return serving_info(self.engine)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+
+def serving_info(engine: Any) -> dict[str, Any]:
+    """What the parent reads of the engine without a call: sent once ready, and asked for
+    again after the engine has loaded another model (AsyncEngine.refresh_model_info)."""
+    return {
+        "model_name": engine.model_name,
+        "served_model_names": engine.served_model_names,
+        "max_model_len": engine.config.scheduler_config.max_model_len,
+        "quantization": engine.config.model.quantization,
+        "generation_defaults": engine.generation_defaults,
+        "tokenizer": engine.tokenizer,
+    }
 
 
 def limit_cpu_threads(engine_args: EngineArgs) -> None:
@@ -218,19 +234,7 @@ def run_engine_process(engine_args: EngineArgs, usage_context: UsageContext, con
         conn.send(("dead", f"the engine failed to start: {type(e).__name__}: {e}"))
         return
     freeze_startup_heap()
-    conn.send(
-        (
-            "ready",
-            {
-                "model_name": engine.model_name,
-                "served_model_names": engine.served_model_names,
-                "max_model_len": engine.config.scheduler_config.max_model_len,
-                "quantization": engine.config.model.quantization,
-                "generation_defaults": engine.generation_defaults,
-                "tokenizer": engine.tokenizer,
-            },
-        )
-    )
+    conn.send(("ready", serving_info(engine)))
     calls = _EngineProcessCalls(engine)
     core = CoreLoop(calls)
     encoder = OutputEncoder()

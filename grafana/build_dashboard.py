@@ -343,6 +343,34 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
             ),
         ],
     ),
+    (
+        # The admin API's model lifecycle (cluster/replica_lifecycle.py).
+        "Model lifecycle",
+        [
+            (
+                "Replicas by model state (serving, switching, asleep)",
+                "timeseries",
+                "none",
+                [
+                    (
+                        f"sum by (model, state) (ray_kvray_model_state{{{MODEL}}})",
+                        "{{model}} {{state}}",
+                    )
+                ],
+            ),
+            (
+                "Model switches by outcome (since each replica started)",
+                "timeseries",
+                "short",
+                [
+                    (
+                        f"sum by (model, outcome) (ray_kvray_model_switches{{{MODEL}}})",
+                        "{{model}} {{outcome}}",
+                    )
+                ],
+            ),
+        ],
+    ),
 ]
 
 

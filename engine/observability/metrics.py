@@ -130,6 +130,18 @@ METRICS: tuple[MetricDef, ...] = (
         "or ttft), by signal.",
         ("model", "signal"),
     ),
+    _gauge(
+        "kvray_model_state",
+        "1 for the lifecycle state a replica's model is in (serving, switching, asleep), "
+        "0 for the others.",
+        ("model", "state"),
+    ),
+    _gauge(
+        "kvray_model_switches",
+        "Model loads this replica has finished since it started, by outcome (done, or failed: "
+        "the old model serves on); a gauge, so that a replica that never switched shows 0.",
+        ("model", "outcome"),
+    ),
     _counter(
         "kvray_http_requests",
         "HTTP generation requests by model, tenant and status code (no model for a request "

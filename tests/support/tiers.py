@@ -34,6 +34,7 @@ RAY_MODULES = frozenset(
         "serve/test_serve_colocated.py",
         "serve/test_serve_direct_ingress.py",
         "serve/test_serve_http_surface.py",
+        "serve/test_serve_model_admin.py",
         "serve/test_serve_multi_model.py",
         "serve/test_serve_openai.py",
         "serve/test_serve_prefix_routing.py",
