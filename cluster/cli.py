@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     for alias, entry in ALIASES.items():
         meaning = f"same as {_flag(entry.key)}" if entry.key else "refused"
         if entry.scale is not None:
-            meaning = f"{_flag(entry.key)} / {entry.scale:g}"
+            meaning = f"this x {entry.scale:g} is {_flag(entry.key)}"
         if entry.kvray_behaviour is not None:
             meaning = f"{str(entry.kvray_behaviour).lower()} accepted (no change), else refused"
         # A refused one may come as a bare switch (--skip-special-tokens): it is accepted or

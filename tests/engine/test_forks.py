@@ -37,8 +37,8 @@ def _run(llm: LLM, request_id: str, n: int, abort_after: int | None = None):
     copies = []
     schedule = engine.scheduler.schedule
 
-    def spy():
-        out = schedule()
+    def spy(*args, **kwargs):
+        out = schedule(*args, **kwargs)
         copies.extend(out.blocks_to_copy)
         return out
 
