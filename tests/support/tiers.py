@@ -3,9 +3,11 @@ the fast lane `pytest -m "not gpu and not slow"`), and how xdist shares the test
 its workers (`-n 2 --dist loadgroup`, scheduled by `make_scheduler`).
 
 The modules that start Ray form two groups, each run by one worker on that worker's own
-local Ray instance (start_ray picks free ports): the Serve apps in one, the engine's actor
-groups (TP/PP ranks, no Serve app) in the other, so that neither worker carries all of the
-Ray tests while the other runs out of work. Any other module is a group of its own, so
+local Ray instance (start_ray picks free ports): most Serve apps in one, and in the other
+the engine's actor groups (TP/PP ranks, no Serve app) and the autoscaling app, which spends
+most of its time waiting out Serve's delays. The first group is the run's longest path;
+the second overlaps its waits with the other worker's CPU-bound tests. Any other module
+is a group of its own, so
 that its module-scoped fixtures (a loaded model, a deployed app) are built once; the tests
 of a folder without such fixtures go one by one to whichever worker is free.
 
@@ -41,9 +43,9 @@ RAY_MODULES = frozenset(
     }
 )
 RAY_GROUP = "ray"
-# Of RAY_MODULES, those that start no Serve app: their own group, beside the Serve apps'.
-RAY_ENGINE_MODULES = frozenset({"engine/test_parallel.py"})
-RAY_ENGINE_GROUP = "ray-engine"
+# Of RAY_MODULES, those run beside the Serve apps' group, on the other worker's Ray.
+RAY_SECOND_MODULES = frozenset({"engine/test_parallel.py", "serve/test_serve_autoscale.py"})
+RAY_SECOND_GROUP = "ray-second"
 # Folders whose tests share no module-scoped fixture: spread test by test.
 SPREAD_FOLDERS = frozenset({"kernels", "unit"})
 EVERY_MODULE = "*"
@@ -57,8 +59,8 @@ def ray_modules(folder: str) -> set[str]:
 def xdist_group(nodeid: str) -> str:
     """The group a test id belongs to: a Ray group, its module, or itself."""
     module = nodeid.split("::", 1)[0].removeprefix("tests/")
-    if module in RAY_ENGINE_MODULES:
-        return RAY_ENGINE_GROUP
+    if module in RAY_SECOND_MODULES:
+        return RAY_SECOND_GROUP
     if module in RAY_MODULES:
         return RAY_GROUP
     if module.split("/", 1)[0] in SPREAD_FOLDERS:
