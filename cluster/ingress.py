@@ -14,6 +14,11 @@ Serve (cluster/replica_watch.py).
 
 Importing this module loads no torch (tests/unit/test_import_cost.py): the engine's
 modules load when a replica starts.
+
+Longer than most modules because Serve builds the HTTP app from this one class: its routes,
+their wiring to the admin API (cluster/admin_api.py), the replica watches and the gRPC
+methods' entry points are methods of `OpenAIIngress`. What a route does beyond that lives
+in the modules named above.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the signatures of the route

@@ -3,6 +3,12 @@
 The engine owns the step loop; what comes in is checked and completed by its
 `InputProcessor` (engine/input_processor.py), what goes out is built by its
 `OutputProcessor` (engine/output_processor.py).
+
+Longer than most modules: the step loop (scheduling, the steps in flight, reading them
+back, the hold of dynamic batching, structured and beam-search requests that cannot run
+ahead) works on one queue of pending steps, and split across files that queue and its
+rules would be handed back and forth; the model lifecycle is already apart
+(engine/lifecycle.py).
 """
 
 from __future__ import annotations
